@@ -1,0 +1,33 @@
+"""gradaccum: exact, cheap gradient accumulation for PyTorch training loops."""
+
+from gradaccum.accumulator import Accumulator, Step, SyncPolicy
+from gradaccum.cli import add_arguments
+from gradaccum.errors import (
+    ConfigError,
+    ConfigTypeError,
+    GradaccumError,
+    GradaccumWarning,
+    UsageError,
+)
+from gradaccum.schedule import interval, steps_per_epoch, total_steps
+from gradaccum.sync import SyncStrategy, no_sync
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Accumulator",
+    "ConfigError",
+    "ConfigTypeError",
+    "GradaccumError",
+    "GradaccumWarning",
+    "Step",
+    "SyncPolicy",
+    "SyncStrategy",
+    "UsageError",
+    "__version__",
+    "add_arguments",
+    "interval",
+    "no_sync",
+    "steps_per_epoch",
+    "total_steps",
+]

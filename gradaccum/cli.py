@@ -1,0 +1,54 @@
+"""Command-line integration: the ``--gradient-accumulation-steps`` flag for argparse."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Protocol, TypeVar
+
+from gradaccum.schedule import check_steps
+
+__all__ = ["add_arguments", "parse_steps"]
+
+
+class _ArgumentContainer(Protocol):
+    def add_argument(self, *name_or_flags: str, **kwargs: Any) -> argparse.Action: ...
+
+
+P = TypeVar("P", bound=_ArgumentContainer)
+
+
+def parse_steps(text: str) -> int:
+    """Parse the flag's value; argparse turns the error into a usage error (exit 2).
+
+    Raises:
+        argparse.ArgumentTypeError: ``text`` is not a positive integer.
+    """
+    try:
+        return check_steps(int(text))
+    except ValueError:  # int() refused it, or check_steps' ConfigError (a ValueError)
+        msg = (
+            f"must be a positive int (microbatches per optimizer step), got {text!r}; "
+            "pass 1 for no accumulation"
+        )
+        raise argparse.ArgumentTypeError(msg) from None
+
+
+def add_arguments(parser: P) -> P:
+    """Add ``--gradient-accumulation-steps N`` (default 1) to a parser or argument group.
+
+    The value lands in ``args.gradient_accumulation_steps``; 0, -3, 2.5 and ``abc``
+    are refused with argparse's usage error (exit status 2).
+
+    Example:
+        >>> parser = add_arguments(argparse.ArgumentParser())
+        >>> parser.parse_args(["--gradient-accumulation-steps", "4"]).gradient_accumulation_steps
+        4
+    """
+    parser.add_argument(
+        "--gradient-accumulation-steps",
+        type=parse_steps,
+        default=1,
+        metavar="N",
+        help="microbatches per optimizer step (default: 1, no accumulation)",
+    )
+    return parser

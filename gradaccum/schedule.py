@@ -1,0 +1,124 @@
+"""Step arithmetic in optimizer (macro) steps: the one source of truth for epoch lengths.
+
+Nothing here imports torch, so trainers and launchers can use it on their own.
+"""
+
+from __future__ import annotations
+
+from gradaccum.errors import ConfigError, ConfigTypeError, describe
+
+__all__ = ["check_count", "check_steps", "interval", "steps_per_epoch", "total_steps"]
+
+
+def check_steps(steps: object, name: str = "steps") -> int:
+    """Return ``steps`` if it is a positive int, else raise naming ``name`` and the value.
+
+    Raises:
+        ConfigTypeError: ``steps`` is not an int (``True``, ``1.5`` and ``"4"`` are not).
+        ConfigError: ``steps`` is an int below 1.
+    """
+    fix = "pass 1 for no accumulation"
+    if not isinstance(steps, int) or isinstance(steps, bool):
+        msg = f"{name} must be a positive int, got {describe(steps)}; {fix}"
+        raise ConfigTypeError(msg)
+    if steps < 1:
+        msg = f"{name} must be a positive int, got {steps}; {fix}"
+        raise ConfigError(msg)
+    return steps
+
+
+def check_count(value: object, name: str) -> int:
+    """Return ``value`` if it is an int >= 0, else raise naming ``name`` and the value.
+
+    Raises:
+        ConfigTypeError: ``value`` is not an int (bools are refused).
+        ConfigError: ``value`` is negative.
+    """
+    if not isinstance(value, int) or isinstance(value, bool):
+        msg = f"{name} must be a non-negative int, got {describe(value)}"
+        raise ConfigTypeError(msg)
+    if value < 0:
+        msg = f"{name} must be a non-negative int, got {value}"
+        raise ConfigError(msg)
+    return value
+
+
+def steps_per_epoch(n_batches: int, steps: int) -> int:
+    """Optimizer steps in an epoch of ``n_batches`` microbatches when the remainder is dropped.
+
+    Args:
+        n_batches: Microbatches in the epoch (``len(loader)``).
+        steps: Microbatches per optimizer step.
+
+    Returns:
+        ``n_batches // steps``; the trailing ``n_batches % steps`` microbatches are not
+        trained on.
+
+    Example:
+        >>> steps_per_epoch(13, 4)
+        3
+    """
+    return check_count(n_batches, "n_batches") // check_steps(steps)
+
+
+def total_steps(n_batches: int, steps: int, epochs: int = 1, drop_last: bool = True) -> int:
+    """Optimizer steps over ``epochs`` epochs: the horizon to give an LR scheduler.
+
+    Args:
+        n_batches: Microbatches per epoch.
+        steps: Microbatches per optimizer step.
+        epochs: Number of epochs.
+        drop_last: Drop each epoch's trailing partial window (the `Accumulator` default);
+            when False it is one more, shorter, optimizer step.
+
+    Returns:
+        The number of optimizer steps.
+
+    Example:
+        >>> total_steps(13, 4, epochs=2)
+        6
+        >>> total_steps(13, 4, epochs=2, drop_last=False)
+        8
+    """
+    per_epoch = steps_per_epoch(n_batches, steps)
+    check_count(epochs, "epochs")
+    if not isinstance(drop_last, bool):
+        msg = f"drop_last must be a bool, got {describe(drop_last)}"
+        raise ConfigTypeError(msg)
+    partial = 0 if drop_last or n_batches % steps == 0 else 1
+    return epochs * (per_epoch + partial)
+
+
+def interval(freq: int | float, steps_per_epoch: int) -> int:
+    """A log or checkpoint cadence in optimizer steps.
+
+    Args:
+        freq: An int >= 1 is a number of optimizer steps; a float in (0, 1) is a
+            fraction of an epoch.
+        steps_per_epoch: Optimizer steps per epoch.
+
+    Returns:
+        ``freq`` itself for an int, else ``max(1, round(freq * steps_per_epoch))``.
+
+    Example:
+        >>> interval(50, 1000)
+        50
+        >>> interval(0.25, 1000)
+        250
+    """
+    check_count(steps_per_epoch, "steps_per_epoch")
+    if isinstance(freq, int) and not isinstance(freq, bool):
+        if freq < 1:
+            msg = f"freq must be an int >= 1 or a float in (0, 1), got {freq}"
+            raise ConfigError(msg)
+        return freq
+    if not isinstance(freq, float):
+        msg = f"freq must be an int >= 1 or a float in (0, 1), got {describe(freq)}"
+        raise ConfigTypeError(msg)
+    if not 0.0 < freq < 1.0:
+        msg = (
+            f"freq must be an int >= 1 or a float in (0, 1), got {freq}; "
+            "pass an int for a number of optimizer steps"
+        )
+        raise ConfigError(msg)
+    return max(1, round(freq * steps_per_epoch))
