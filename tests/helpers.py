@@ -1,0 +1,69 @@
+"""A tiny float64 regression problem and the independent references the tests compare to."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def make_model(seed: int = 0, dtype: torch.dtype = torch.float64) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 1)).to(dtype)
+
+
+def make_batches(
+    sizes: list[int], seed: int = 1, dtype: torch.dtype = torch.float64
+) -> list[Batch]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randn(size, 5, generator=generator, dtype=dtype),
+            torch.randn(size, 1, generator=generator, dtype=dtype),
+        )
+        for size in sizes
+    ]
+
+
+def mean_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    inputs, targets = batch
+    return (model(inputs) - targets).square().mean()
+
+
+def sum_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    inputs, targets = batch
+    return (model(inputs) - targets).square().sum()
+
+
+def concat(window: list[Batch]) -> Batch:
+    return torch.cat([x for x, _ in window]), torch.cat([y for _, y in window])
+
+
+def reference_sgd(
+    model: nn.Module, windows: list[list[Batch]], lr: float, max_norm: float | None = None
+) -> nn.Module:
+    """Plain SGD, one step per window on the window as one big batch (item-mean loss)."""
+    twin = copy.deepcopy(model)
+    params = list(twin.parameters())
+    for window in windows:
+        grads = torch.autograd.grad(mean_loss(twin, concat(window)), params)
+        if max_norm is not None:
+            norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
+            grads = tuple(g * min(1.0, max_norm / (norm.item() + 1e-6)) for g in grads)
+        with torch.no_grad():
+            for param, grad in zip(params, grads, strict=True):
+                param -= lr * grad
+    return twin
+
+
+def max_param_diff(a: nn.Module, b: nn.Module) -> float:
+    return max(
+        (p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters(), strict=True)
+    )
+
+
+def sgd(model: nn.Module, lr: float = 0.1) -> torch.optim.SGD:
+    return torch.optim.SGD(model.parameters(), lr=lr)

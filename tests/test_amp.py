@@ -1,0 +1,84 @@
+"""The GradScaler path on CPU: scale every microstep, unscale/clip/step/update at the boundary."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import gradaccum
+from tests.helpers import make_batches, make_model, mean_loss
+
+
+def run(scaler: torch.amp.GradScaler | None, poison: set[int] = frozenset()) -> tuple:  # type: ignore[type-arg, assignment]
+    batches = make_batches([3] * 12, dtype=torch.float32)
+    model = make_model(dtype=torch.float32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    acc = gradaccum.Accumulator(
+        model, optimizer, scheduler, steps=4, max_grad_norm=1.0, scaler=scaler
+    )
+    steps = []
+    snapshots = []
+    for index, batch in enumerate(acc.epoch(batches)):
+        loss = mean_loss(model, batch)
+        if index in poison:
+            loss = loss * math.inf
+        with acc.microstep(loss) as step:
+            pass
+        if step.boundary:
+            steps.append(step)
+            snapshots.append([p.detach().clone() for p in model.parameters()])
+    return model, scheduler, acc, steps, snapshots
+
+
+def test_power_of_two_scale_matches_no_scaler_exactly() -> None:
+    """Scaling by 2**k and unscaling is exact: the run equals the unscaled one bit for bit."""
+    plain, *_ = run(None)
+    scaled, *_ = run(torch.amp.GradScaler("cpu", init_scale=2.0**10))
+    for p, q in zip(plain.parameters(), scaled.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_overflow_skips_the_window_and_its_scheduler_step() -> None:
+    """An inf in window 2: no update, no scheduler step, step.skipped, scale backed off."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    _, scheduler, acc, steps, snapshots = run(scaler, poison={5})
+    assert [s.skipped for s in steps] == [False, True, False]
+    assert acc.global_step == 3  # windows completed, the skipped one included
+    assert scheduler.last_epoch == 2
+    for before, after in zip(snapshots[0], snapshots[1], strict=True):
+        assert torch.equal(before, after)  # the poisoned window changed nothing
+    assert scaler.get_scale() == 2.0**9
+    assert all(s.grad_norm is not None for s in steps)
+    assert steps[2].lr == 0.1 * 0.5  # only one decay so far when window 3 was applied
+
+
+def test_disabled_scaler_is_no_scaler() -> None:
+    """GradScaler(enabled=False) behaves exactly as scaler=None."""
+    plain, *_ = run(None)
+    disabled, *_ = run(torch.amp.GradScaler("cpu", enabled=False))
+    for p, q in zip(plain.parameters(), disabled.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_exception_after_unscale_leaves_the_scaler_usable() -> None:
+    """A failing boundary body (after unscale_) is discarded; the next window steps normally."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    batches = make_batches([2] * 8, dtype=torch.float32)
+    model = make_model(dtype=torch.float32)
+    acc = gradaccum.Accumulator(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), steps=4, scaler=scaler
+    )
+    with pytest.raises(KeyError):
+        for batch in acc.epoch(batches):
+            with acc.microstep(mean_loss(model, batch)) as step:
+                if step.boundary:
+                    raise KeyError("logging failed")
+    assert acc.global_step == 0
+    for batch in acc.epoch(batches):
+        with acc.microstep(mean_loss(model, batch)) as step:
+            pass
+    assert acc.global_step == 2
+    assert scaler.get_scale() == 2.0**10

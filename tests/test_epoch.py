@@ -1,0 +1,164 @@
+"""acc.epoch: the drop-last rule, exact partial windows, iterables without len, the guard."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+import gradaccum
+from tests.helpers import make_batches, make_model, max_param_diff, mean_loss, reference_sgd, sgd
+
+TOL = 1e-10
+
+
+def train(acc: gradaccum.Accumulator, model, batches) -> int:  # type: ignore[no-untyped-def]
+    count = 0
+    for batch in acc.epoch(batches):
+        count += 1
+        with acc.microstep(mean_loss(model, batch)):
+            pass
+    return count
+
+
+def generator(batches: list) -> Iterator:  # type: ignore[type-arg]
+    yield from batches
+
+
+@pytest.mark.parametrize("sized", [True, False])
+@pytest.mark.parametrize(("n", "steps"), [(13, 4), (14, 4), (5, 3), (3, 4), (7, 7)])
+def test_partial_window_is_scaled_by_its_own_length(n: int, steps: int, sized: bool) -> None:
+    """drop_last=False: the trailing k microbatches step as one window with weight 1/k."""
+    batches = make_batches([3] * n)
+    model = make_model()
+    windows = [batches[i : i + steps] for i in range(0, n, steps)]
+    expected = reference_sgd(model, windows, lr=0.1)
+    acc = gradaccum.Accumulator(model, sgd(model), steps=steps, drop_last=False)
+    assert train(acc, model, batches if sized else generator(batches)) == n
+    assert acc.global_step == len(windows) == gradaccum.total_steps(n, steps, drop_last=False)
+    assert max_param_diff(model, expected) < TOL
+
+
+def test_partial_window_boundary_is_armed_before_its_forward() -> None:
+    """The last microbatch of a short trailing window is announced as the boundary."""
+    for iterable in (make_batches([1] * 6), generator(make_batches([1] * 6))):
+        model = make_model()
+        acc = gradaccum.Accumulator(model, sgd(model), steps=4, drop_last=False)
+        flags = []
+        for batch in acc.epoch(iterable):
+            flags.append(acc.sync_gradients)
+            with acc.microstep(mean_loss(model, batch)):
+                pass
+        assert flags == [False, False, False, True, False, True]
+
+
+def test_unsized_iterable_discards_trailing_gradient() -> None:
+    """Without len, the trailing partial window is back-propagated but never applied."""
+    batches = make_batches([2] * 13)
+    model = make_model()
+    expected = reference_sgd(model, [batches[0:4], batches[4:8], batches[8:12]], lr=0.1)
+    acc = gradaccum.Accumulator(model, sgd(model), steps=4)
+    assert train(acc, model, generator(batches)) == 13
+    assert acc.global_step == 3
+    assert all(p.grad is None for p in model.parameters())
+    assert max_param_diff(model, expected) < TOL
+
+
+def test_windows_never_span_epochs() -> None:
+    """Two epochs of 6 with steps=4: 1 step each, never a window of 2 + 2."""
+    batches = make_batches([2] * 6)
+    model = make_model()
+    expected = reference_sgd(model, [batches[0:4], batches[0:4]], lr=0.1)
+    acc = gradaccum.Accumulator(model, sgd(model), steps=4)
+    for _ in range(2):
+        assert train(acc, model, batches) == 4
+    assert acc.global_step == 2
+    assert max_param_diff(model, expected) < TOL
+
+
+class Exploding:
+    """A sized iterable that fails the test if anything is drawn from it."""
+
+    def __len__(self) -> int:
+        return 3
+
+    def __iter__(self) -> Iterator[object]:
+        raise AssertionError("the guard must refuse before the first microbatch")
+
+
+def test_guard_refuses_an_epoch_without_a_step_before_any_work() -> None:
+    """len 3 with steps=4 raises at acc.epoch(), naming steps and the epoch length."""
+    model = make_model()
+    acc = gradaccum.Accumulator(model, sgd(model), steps=4)
+    with pytest.raises(ValueError, match=r"epoch of 3 microbatches.*steps=4") as caught:
+        acc.epoch(Exploding())
+    assert "drop_last=False" in str(caught.value)
+    with pytest.raises(ValueError, match="empty"):
+        acc.epoch([])
+    assert acc.global_step == 0
+
+
+def test_guard_for_unsized_epochs_comes_at_their_end() -> None:
+    """Without len the shortfall shows only at the end; the gradient is discarded."""
+    model = make_model()
+    acc = gradaccum.Accumulator(model, sgd(model), steps=4)
+    with pytest.raises(ValueError, match=r"epoch of 3 microbatches.*discarded"):
+        train(acc, model, generator(make_batches([1] * 3)))
+    assert all(p.grad is None for p in model.parameters())
+    assert acc.global_step == 0
+
+
+def test_drop_last_false_accepts_a_short_epoch() -> None:
+    """3 microbatches with steps=4 and drop_last=False: one window of 3."""
+    model = make_model()
+    acc = gradaccum.Accumulator(model, sgd(model), steps=4, drop_last=False)
+    assert train(acc, model, make_batches([1] * 3)) == 3
+    assert acc.global_step == 1
+
+
+def test_window_left_open_is_discarded_with_a_warning() -> None:
+    """Breaking out mid-window, then starting an epoch: the stale gradient is dropped."""
+    batches = make_batches([2] * 8)
+    model = make_model()
+    acc = gradaccum.Accumulator(model, sgd(model), steps=4)
+    for index, batch in enumerate(acc.epoch(batches)):
+        with acc.microstep(mean_loss(model, batch)):
+            pass
+        if index == 5:
+            break
+    assert acc.global_step == 1
+    expected = reference_sgd(model, [batches[0:4], batches[4:8]], lr=0.1)
+    with pytest.warns(gradaccum.GradaccumWarning, match="2 microsteps of a window left open"):
+        assert train(acc, model, batches) == 8
+    assert acc.global_step == 3
+    assert max_param_diff(expected, model) < TOL
+
+
+def test_skipped_microstep_is_reported_at_epoch_end() -> None:
+    """A microbatch handed out but never stepped leaves an incomplete window: warned, dropped."""
+    batches = make_batches([2] * 8)
+    model = make_model()
+    acc = gradaccum.Accumulator(model, sgd(model), steps=4)
+    with pytest.warns(gradaccum.GradaccumWarning, match="incomplete window at the end"):
+        for index, batch in enumerate(acc.epoch(batches)):
+            if index != 2:
+                with acc.microstep(mean_loss(model, batch)):
+                    pass
+    assert acc.global_step == 1
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_len_that_lies_is_reported() -> None:
+    """An iterable that yields fewer items than its len() is an error, not a silent stop."""
+
+    class Liar:
+        def __len__(self) -> int:
+            return 8
+
+        def __iter__(self) -> Iterator[object]:
+            return iter(make_batches([1] * 5))
+
+    model = make_model()
+    acc = gradaccum.Accumulator(model, sgd(model), steps=4)
+    with pytest.raises(gradaccum.ConfigError, match=r"ended after 5 items; its len\(\) promised 8"):
+        train(acc, model, Liar())

@@ -1,0 +1,139 @@
+"""Failures and misuse: nothing half-applied, the next window starts clean, fix-it messages."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import gradaccum
+from tests.helpers import make_batches, make_model, max_param_diff, mean_loss, reference_sgd, sgd
+
+TOL = 1e-10
+
+
+class FailingBackward(torch.autograd.Function):
+    """Identity forward whose backward raises: an error during backward."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def, override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def, override]
+        raise FloatingPointError("backward failed")
+
+
+def setup(steps: int = 4):  # type: ignore[no-untyped-def]
+    model = make_model()
+    optimizer = sgd(model)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    acc = gradaccum.Accumulator(model, optimizer, scheduler, steps=steps)
+    return model, optimizer, scheduler, acc
+
+
+@pytest.mark.parametrize("where", ["body", "backward"])
+@pytest.mark.parametrize("at", [1, 3])  # mid-window, and the boundary microstep
+def test_exception_applies_nothing_and_next_window_is_clean(where: str, at: int) -> None:
+    """The failing window is dropped; the next `steps` microsteps form a fresh window."""
+    batches = make_batches([2] * 8)
+    model, _, scheduler, acc = setup()
+    start = copy.deepcopy(model)
+    for index, batch in enumerate(batches[:4]):
+        loss = mean_loss(model, batch)
+        if where == "backward" and index == at:
+            loss = FailingBackward.apply(loss)
+        if index == at:
+            with pytest.raises((FloatingPointError, KeyError)), acc.microstep(loss):
+                if where == "body":
+                    raise KeyError("user code failed")
+            break
+        with acc.microstep(loss):
+            pass
+    assert acc.global_step == 0
+    assert scheduler.last_epoch == 0
+    assert all(p.grad is None for p in model.parameters())
+    assert max_param_diff(model, start) == 0
+    for batch in batches[4:]:
+        with acc.microstep(mean_loss(model, batch)):
+            pass
+    assert acc.global_step == 1
+    assert max_param_diff(model, reference_sgd(start, [batches[4:]], lr=0.1)) < TOL
+
+
+def test_nested_microstep_is_refused() -> None:
+    """A microstep inside another's block is refused; the outer one still completes."""
+    model, _, _, acc = setup(steps=1)
+    batch = make_batches([2])[0]
+    with acc.microstep(mean_loss(model, batch)):
+        inner = mean_loss(model, batch)
+        with pytest.raises(gradaccum.UsageError, match="leave the first"):
+            acc.microstep(inner)
+    assert acc.global_step == 1
+
+
+def test_optimizer_step_inside_a_window_is_refused() -> None:
+    """optimizer.step() by hand mid-window or in the boundary body raises before it steps."""
+    model, optimizer, _, acc = setup(steps=2)
+    batches = make_batches([2] * 2)
+    start = copy.deepcopy(model)
+    with acc.microstep(mean_loss(model, batches[0])):
+        pass
+    with pytest.raises(gradaccum.UsageError, match=r"microstep 2 of 2.*remove the call"):
+        optimizer.step()
+    with acc.microstep(mean_loss(model, batches[1])) as step:
+        assert step.boundary
+        with pytest.raises(gradaccum.UsageError, match="inside an accumulation window"):
+            optimizer.step()
+        assert max_param_diff(model, start) == 0
+    assert acc.global_step == 1
+    assert max_param_diff(model, reference_sgd(start, [batches], lr=0.1)) < TOL
+
+
+def test_mixing_num_items_and_means_in_a_window_is_refused() -> None:
+    """num_items on some microsteps of a window and not others: refused, both directions."""
+    model, _, _, acc = setup(steps=3)
+    batch = make_batches([2])[0]
+    with acc.microstep(mean_loss(model, batch)):
+        pass
+    with pytest.raises(gradaccum.UsageError, match="num_items on every microstep"):
+        acc.microstep(mean_loss(model, batch), num_items=2)
+    model, _, _, acc = setup(steps=3)
+    with acc.microstep(mean_loss(model, batch), num_items=2):
+        pass
+    with pytest.raises(gradaccum.UsageError, match="omits num_items"):
+        acc.microstep(mean_loss(model, batch))
+
+
+def test_zero_items_in_a_window_is_refused() -> None:
+    """A window whose int item counts sum to 0 cannot be normalized: refused, discarded."""
+    model, _, _, acc = setup(steps=2)
+    batch = make_batches([2])[0]
+    for _ in range(2):
+        try:
+            with acc.microstep(mean_loss(model, batch) * 0, num_items=0):
+                pass
+        except gradaccum.ConfigError as error:
+            assert "summing to 0" in str(error)
+            break
+    else:
+        pytest.fail("a window with zero items was applied")
+    assert acc.global_step == 0
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_closed_accumulator_refuses_and_releases_the_optimizer() -> None:
+    """After close(), microstep/epoch are refused and the optimizer is the user's again."""
+    model, optimizer, _, acc = setup(steps=2)
+    batch = make_batches([2])[0]
+    with acc:
+        with acc.microstep(mean_loss(model, batch)):
+            pass
+    with pytest.raises(gradaccum.UsageError, match="closed"):
+        acc.microstep(mean_loss(model, batch))
+    with pytest.raises(gradaccum.UsageError, match="closed"):
+        acc.epoch([batch])
+    optimizer.step()  # no longer refused: the hook is gone
+    acc.close()  # idempotent
+    assert "global_step=0" in repr(acc)

@@ -1,0 +1,222 @@
+"""The window's update against an independent float64 big-batch reference, and steps=1 bitwise."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gradaccum
+from tests import strategies
+from tests.helpers import (
+    concat,
+    make_batches,
+    make_model,
+    max_param_diff,
+    mean_loss,
+    reference_sgd,
+    sgd,
+    sum_loss,
+)
+
+TOL = 1e-10
+
+
+def windows_of(batches: list, steps: int, drop_last: bool = True) -> list[list]:  # type: ignore[type-arg]
+    windows = [batches[i : i + steps] for i in range(0, len(batches), steps)]
+    return [w for w in windows if len(w) == steps or not drop_last]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    steps=strategies.steps,
+    n=st.integers(min_value=1, max_value=14),
+    size=strategies.batch_size,
+    seed=strategies.seeds,
+    drop_last=st.booleans(),
+)
+def test_accumulated_update_equals_big_batch(
+    steps: int, n: int, size: int, seed: int, drop_last: bool
+) -> None:
+    """Equal-sized mean-loss microbatches: each window's update is the big-batch update."""
+    if drop_last and n < steps:
+        n = steps
+    batches = make_batches([size] * n, seed=seed)
+    model = make_model(seed)
+    expected = reference_sgd(model, windows_of(batches, steps, drop_last), lr=0.1)
+    acc = gradaccum.Accumulator(model, sgd(model), steps=steps, drop_last=drop_last)
+    for batch in acc.epoch(batches):
+        with acc.microstep(mean_loss(model, batch)):
+            pass
+    assert acc.global_step == gradaccum.total_steps(n, steps, drop_last=drop_last)
+    assert max_param_diff(model, expected) < TOL
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=strategies.item_counts, steps=strategies.steps, seed=strategies.seeds)
+def test_num_items_equals_item_mean_over_the_window(
+    lengths: list[int], steps: int, seed: int
+) -> None:
+    """Summed losses with num_items: the item-mean gradient whatever the lengths."""
+    batches = make_batches(lengths, seed=seed)
+    model = make_model(seed)
+    expected = reference_sgd(model, windows_of(batches, steps, drop_last=False), lr=0.1)
+    acc = gradaccum.Accumulator(model, sgd(model), steps=steps, drop_last=False)
+    for i, batch in enumerate(acc.epoch(batches)):
+        # Alternate ints and device tensors: both are accepted without a host sync.
+        items = len(batch[0]) if i % 2 else torch.tensor(len(batch[0]))
+        with acc.microstep(sum_loss(model, batch), num_items=items):
+            pass
+    assert max_param_diff(model, expected) < TOL
+
+
+def test_the_13_over_4_cadence() -> None:
+    """3 optimizer and scheduler steps; the 13th microbatch is never handed out or trained."""
+    batches = make_batches([2] * 13)
+    model = make_model()
+    optimizer = sgd(model)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    stepped: list[int] = []
+    optimizer.register_step_post_hook(lambda *_: stepped.append(1))
+    acc = gradaccum.Accumulator(model, optimizer, scheduler, steps=4)
+    seen = []
+    flags = []
+    for batch in acc.epoch(batches):
+        seen.append(batch)
+        flags.append(acc.sync_gradients)  # before the forward: armed in advance
+        with acc.microstep(mean_loss(model, batch)) as step:
+            assert step.boundary == acc.sync_gradients
+    assert len(seen) == 12
+    assert seen[-1] is batches[11]
+    assert flags == [False, False, False, True] * 3
+    assert (len(stepped), scheduler.last_epoch, acc.global_step) == (3, 3, 3)
+    assert optimizer.param_groups[0]["lr"] == 0.1 * 0.5**3
+    assert all(p.grad is None for p in model.parameters())  # nothing leaks into the next epoch
+    expected = reference_sgd(make_model(), windows_of(batches, 4), lr=0.1)
+    assert max_param_diff(model, expected) > 0  # the LR decayed: not the constant-LR reference
+
+
+def test_boundary_body_sees_the_full_window_gradient_clipped() -> None:
+    """Clipping happens once, on the window's total gradient, before the body runs."""
+    batches = make_batches([3] * 8)
+    model = make_model()
+    reference = copy.deepcopy(model)
+    acc = gradaccum.Accumulator(model, sgd(model), steps=4, max_grad_norm=0.05)
+    for index, batch in enumerate(acc.epoch(batches)):
+        with acc.microstep(mean_loss(model, batch)) as step:
+            if not step.boundary:
+                assert step.grad_norm is None
+                assert step.loss is None
+                continue
+            window = batches[index - 3 : index + 1]
+            params = list(reference.parameters())
+            grads = torch.autograd.grad(mean_loss(reference, concat(window)), params)
+            norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
+            assert step.grad_norm is not None
+            assert abs(step.grad_norm.item() - norm.item()) < TOL
+            assert norm.item() > 0.05  # clipping is active in this test
+            clipped = [g * (0.05 / (norm.item() + 1e-6)) for g in grads]
+            got = [p.grad for p in model.parameters()]
+            assert max((g - c).abs().max().item() for g, c in zip(got, clipped)) < TOL  # type: ignore[operator]
+            with torch.no_grad():
+                for param, grad in zip(params, clipped, strict=True):
+                    param -= 0.1 * grad
+    assert max_param_diff(model, reference) < TOL
+
+
+def test_step_reports_window_loss_lr_and_numbering() -> None:
+    """step.loss is the window mean (or item mean), lr the one used, global_step 1-based."""
+    batches = make_batches([1, 2, 3, 4, 5, 6])
+    model = make_model()
+    optimizer = sgd(model)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (s + 1))
+    acc = gradaccum.Accumulator(model, optimizer, scheduler, steps=3)
+    reports = []
+    for batch in acc.epoch(batches):
+        loss = sum_loss(model, batch)
+        with acc.microstep(loss, num_items=len(batch[0])) as step:
+            if step.boundary:
+                reports.append((step.global_step, step.loss, step.lr))
+    for expected_number, (number, loss, lr) in enumerate(reports, start=1):
+        assert loss is not None
+        assert not loss.requires_grad
+        assert loss.dim() == 0
+        assert number == expected_number
+        assert lr == 0.1 / number  # the LR this update used, before the scheduler stepped
+    assert len(reports) == 2
+
+    model = make_model()
+    acc = gradaccum.Accumulator(model, sgd(model), steps=2)
+    losses = [mean_loss(model, b) for b in batches[:2]]
+    for loss in losses:
+        with acc.microstep(loss) as step:
+            pass
+    assert step.loss is not None
+    assert abs(step.loss.item() - (losses[0].item() + losses[1].item()) / 2) < TOL
+
+
+def test_items_window_loss_is_the_item_mean() -> None:
+    """With num_items, step.loss is summed loss over total items, not a mean of means."""
+    batches = make_batches([1, 5])
+    model = make_model()
+    acc = gradaccum.Accumulator(model, sgd(model), steps=2)
+    sums = [sum_loss(model, b) for b in batches]
+    for loss, batch in zip(sums, batches, strict=True):
+        with acc.microstep(loss, num_items=len(batch[0])) as step:
+            pass
+    assert step.loss is not None
+    assert abs(step.loss.item() - (sums[0].item() + sums[1].item()) / 6) < TOL
+
+
+def plain_loop(model, optimizer, scheduler, batches) -> None:  # type: ignore[no-untyped-def]
+    for batch in batches:
+        optimizer.zero_grad(set_to_none=True)
+        mean_loss(model, batch).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+
+
+def test_steps_1_is_bitwise_the_plain_loop() -> None:
+    """Parameters, optimizer state and LR match a plain loop bit for bit (float32, AdamW)."""
+    batches = make_batches([4] * 9, dtype=torch.float32)
+    runs = []
+    for use_acc in (False, True):
+        model = make_model(dtype=torch.float32)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=9)
+        if use_acc:
+            acc = gradaccum.Accumulator(model, optimizer, scheduler, steps=1, max_grad_norm=1.0)
+            for batch in acc.epoch(batches):
+                with acc.microstep(mean_loss(model, batch)):
+                    pass
+        else:
+            plain_loop(model, optimizer, scheduler, batches)
+        runs.append((model, optimizer))
+    (plain, plain_opt), (accumulated, acc_opt) = runs
+    for p, q in zip(plain.parameters(), accumulated.parameters(), strict=True):
+        assert torch.equal(p, q)
+    for p, q in zip(plain.parameters(), accumulated.parameters(), strict=True):
+        for key, value in plain_opt.state[p].items():
+            assert torch.equal(value, acc_opt.state[q][key])
+    assert plain_opt.param_groups[0]["lr"] == acc_opt.param_groups[0]["lr"]
+
+
+def test_parameters_outside_the_model_are_accumulated() -> None:
+    """An optimizer that also holds a learnable temperature steps it with the window mean."""
+    batches = make_batches([2] * 4)
+    model = make_model()
+    temperature = torch.nn.Parameter(torch.tensor(1.0, dtype=torch.float64))
+    optimizer = torch.optim.SGD([*model.parameters(), temperature], lr=0.1)
+    acc = gradaccum.Accumulator(model, optimizer, steps=4)
+    grads = []
+    for batch in acc.epoch(batches):
+        loss = mean_loss(model, batch) * temperature
+        grads.append(torch.autograd.grad(loss, temperature, retain_graph=True)[0])
+        with acc.microstep(loss) as step:
+            if step.boundary:
+                assert temperature.grad is not None
+                assert abs(temperature.grad.item() - torch.stack(grads).mean().item()) < TOL
+    assert temperature.grad is None

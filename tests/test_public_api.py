@@ -1,0 +1,78 @@
+"""The public surface: pinned exports, executed docstring examples and README example."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import gradaccum
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_exports_are_pinned() -> None:
+    """Adding or removing a public name is a deliberate change to this list."""
+    assert gradaccum.__all__ == [
+        "Accumulator",
+        "ConfigError",
+        "ConfigTypeError",
+        "GradaccumError",
+        "GradaccumWarning",
+        "Step",
+        "SyncPolicy",
+        "SyncStrategy",
+        "UsageError",
+        "__version__",
+        "add_arguments",
+        "interval",
+        "no_sync",
+        "steps_per_epoch",
+        "total_steps",
+    ]
+    assert gradaccum.__all__ == sorted(gradaccum.__all__)
+    for name in gradaccum.__all__:
+        assert hasattr(gradaccum, name)
+
+
+def test_errors_subclass_the_matching_builtins() -> None:
+    """Callers can catch the library's errors or the builtin they already expect."""
+    assert issubclass(gradaccum.ConfigError, ValueError)
+    assert issubclass(gradaccum.ConfigTypeError, TypeError)
+    assert issubclass(gradaccum.UsageError, RuntimeError)
+    for error in (gradaccum.ConfigError, gradaccum.ConfigTypeError, gradaccum.UsageError):
+        assert issubclass(error, gradaccum.GradaccumError)
+
+
+@pytest.mark.parametrize("module", ["accumulator", "cli", "errors", "schedule", "sync", "verify"])
+def test_docstring_examples_run(module: str) -> None:
+    """Every `Example:` in the docstrings is executed and its output checked."""
+    imported = importlib.import_module(f"gradaccum.{module}")
+    globs = vars(imported) | {"torch": torch}
+    failed, _ = doctest.testmod(imported, globs=globs, raise_on_error=False, verbose=False)
+    assert failed == 0
+
+
+def test_readme_example_runs() -> None:
+    """The README's user-loop example is a real, runnable program."""
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.DOTALL)
+    assert blocks, "README.md has no python example"
+    namespace: dict[str, object] = {}
+    exec(compile(blocks[0], "README.md", "exec"), namespace)
+    assert namespace["acc"].global_step > 0  # type: ignore[attr-defined]
+
+
+def test_readme_commands_are_what_ci_runs() -> None:
+    """README's first two commands set up + verify and run the tests; .ci/run runs the latter."""
+    readme = (ROOT / "README.md").read_text()
+    commands = re.findall(r"```(?:bash|sh)\n(.*?)```", readme, flags=re.DOTALL)
+    setup, tests = commands[0].strip(), commands[1].strip()
+    assert "torch==2.13.0" in setup
+    assert "python -m gradaccum verify" in setup
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert tests.splitlines()[-1] in ci

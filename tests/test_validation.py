@@ -1,0 +1,116 @@
+"""Bad input is refused before any work, naming the argument, the value and the fix."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+import gradaccum
+from tests.helpers import make_batches, make_model, mean_loss
+
+MODEL = make_model()
+OPTIMIZER = torch.optim.SGD(MODEL.parameters(), lr=0.1)
+OTHER = torch.optim.SGD(make_model().parameters(), lr=0.1)
+
+CONSTRUCTION: list[tuple[dict[str, Any], type[Exception], list[str]]] = [
+    ({"steps": 0}, ValueError, ["steps", "got 0", "pass 1 for no accumulation"]),
+    ({"steps": -1}, ValueError, ["steps", "got -1"]),
+    ({"steps": 1.5}, TypeError, ["steps", "1.5 (float)"]),
+    ({"steps": True}, TypeError, ["steps", "True (bool)"]),
+    ({"steps": "4"}, TypeError, ["steps", "'4' (str)"]),
+    ({"steps": None}, TypeError, ["steps", "None (NoneType)"]),
+    ({"max_grad_norm": -1.0}, ValueError, ["max_grad_norm", "-1.0", "None for no clipping"]),
+    ({"max_grad_norm": 0}, ValueError, ["max_grad_norm", "got 0"]),
+    ({"max_grad_norm": math.nan}, ValueError, ["max_grad_norm", "nan"]),
+    ({"max_grad_norm": "1"}, TypeError, ["max_grad_norm", "'1' (str)"]),
+    ({"max_grad_norm": True}, TypeError, ["max_grad_norm", "True (bool)"]),
+    ({"sync": "sometimes"}, ValueError, ["sync", "'sometimes'", "'auto', 'boundary', 'every'"]),
+    ({"sync": None}, ValueError, ["sync", "None"]),
+    ({"drop_last": "yes"}, TypeError, ["drop_last", "'yes' (str)"]),
+    ({"scaler": object()}, TypeError, ["scaler", "GradScaler"]),
+    ({"model": "model"}, TypeError, ["model", "'model' (str)", "torch.nn.Module"]),
+    ({"optimizer": "sgd"}, TypeError, ["optimizer", "'sgd' (str)"]),
+    ({"scheduler": object()}, TypeError, ["scheduler", "step()"]),
+    (
+        {"scheduler": torch.optim.lr_scheduler.StepLR(OTHER, 1)},
+        ValueError,
+        ["scheduler", "another optimizer", "create the scheduler on the optimizer"],
+    ),
+    (
+        {"scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(OPTIMIZER)},
+        TypeError,
+        ["ReduceLROnPlateau", "scheduler=None"],
+    ),
+]
+
+
+@pytest.mark.parametrize(("override", "error", "fragments"), CONSTRUCTION)
+def test_construction_refuses_bad_arguments_before_any_work(
+    override: dict[str, Any], error: type[Exception], fragments: list[str]
+) -> None:
+    """Each bad argument raises its builtin and GradaccumError; no state is touched."""
+    MODEL.zero_grad(set_to_none=True)
+    mean_loss(MODEL, make_batches([2])[0]).backward()
+    grads = [p.grad.clone() for p in MODEL.parameters()]  # type: ignore[union-attr]
+    arguments: dict[str, Any] = {"model": MODEL, "optimizer": OPTIMIZER} | override
+    with pytest.raises(error) as caught:
+        gradaccum.Accumulator(**arguments)
+    assert isinstance(caught.value, gradaccum.GradaccumError)
+    for fragment in fragments:
+        assert fragment in str(caught.value)
+    for param, grad in zip(MODEL.parameters(), grads, strict=True):
+        assert torch.equal(param.grad, grad)  # type: ignore[arg-type]
+    OPTIMIZER.step()  # still the user's: no hook was left behind
+
+
+def test_accepted_settings() -> None:
+    """The legitimate edges are accepted: ints for max_grad_norm, inf to only measure."""
+    for max_grad_norm in (1, 0.5, math.inf, None):
+        gradaccum.Accumulator(MODEL, OPTIMIZER, max_grad_norm=max_grad_norm).close()
+    for sync in ("auto", "boundary", "every"):
+        gradaccum.Accumulator(MODEL, OPTIMIZER, sync=sync).close()
+
+
+LOSS = mean_loss(MODEL, make_batches([2])[0])
+MICROSTEP: list[tuple[Any, Any, type[Exception], list[str]]] = [
+    (0.5, None, TypeError, ["loss", "0.5 (float)"]),
+    (LOSS.expand(3), None, ValueError, ["loss", "0-dim", "(3,)", ".mean()"]),
+    (LOSS.detach(), None, ValueError, ["loss does not require grad", "torch.no_grad()"]),
+    (LOSS, -1, ValueError, ["num_items", "-1"]),
+    (LOSS, 1.5, TypeError, ["num_items", "1.5 (float)"]),
+    (LOSS, True, TypeError, ["num_items", "True (bool)"]),
+    (LOSS, torch.ones(2), ValueError, ["num_items", "0-dim", "(2,)"]),
+]
+
+
+@pytest.mark.parametrize(("loss", "num_items", "error", "fragments"), MICROSTEP)
+def test_microstep_refuses_bad_arguments_before_backward(
+    loss: Any, num_items: Any, error: type[Exception], fragments: list[str]
+) -> None:
+    """A bad loss or num_items is refused at the call; no backward runs."""
+    acc = gradaccum.Accumulator(MODEL, OPTIMIZER, steps=2)
+    with pytest.raises(error) as caught:
+        acc.microstep(loss, num_items)
+    assert isinstance(caught.value, gradaccum.GradaccumError)
+    for fragment in fragments:
+        assert fragment in str(caught.value)
+    assert all(p.grad is None for p in MODEL.parameters())
+    acc.close()
+
+
+def test_distributed_wrappers_are_refused_not_half_supported() -> None:
+    """A module with its own gradient communication is refused with a way forward."""
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = make_model()
+
+        def no_sync(self) -> None: ...
+
+    wrapped = Wrapper()
+    with pytest.raises(gradaccum.ConfigTypeError, match="Wrapper.*unwrapped modules only"):
+        gradaccum.Accumulator(wrapped, torch.optim.SGD(wrapped.parameters(), lr=0.1))
