@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 import gradaccum
 from tests.helpers import make_batches, make_model, max_param_diff, mean_loss, reference_sgd, sgd
@@ -12,7 +14,7 @@ from tests.helpers import make_batches, make_model, max_param_diff, mean_loss, r
 TOL = 1e-10
 
 
-def train(acc: gradaccum.Accumulator, model, batches) -> int:  # type: ignore[no-untyped-def]
+def train(acc: gradaccum.Accumulator, model, batches) -> int:
     count = 0
     for batch in acc.epoch(batches):
         count += 1
@@ -21,7 +23,7 @@ def train(acc: gradaccum.Accumulator, model, batches) -> int:  # type: ignore[no
     return count
 
 
-def generator(batches: list) -> Iterator:  # type: ignore[type-arg]
+def generator(batches: list) -> Iterator:
     yield from batches
 
 
@@ -139,11 +141,15 @@ def test_skipped_microstep_is_reported_at_epoch_end() -> None:
     batches = make_batches([2] * 8)
     model = make_model()
     acc = gradaccum.Accumulator(model, sgd(model), steps=4)
-    with pytest.warns(gradaccum.GradaccumWarning, match="incomplete window at the end"):
+
+    def epoch_skipping_the_third() -> None:
         for index, batch in enumerate(acc.epoch(batches)):
             if index != 2:
                 with acc.microstep(mean_loss(model, batch)):
                     pass
+
+    with pytest.warns(gradaccum.GradaccumWarning, match="incomplete window at the end"):
+        epoch_skipping_the_third()
     assert acc.global_step == 1
     assert all(p.grad is None for p in model.parameters())
 
@@ -162,3 +168,24 @@ def test_len_that_lies_is_reported() -> None:
     acc = gradaccum.Accumulator(model, sgd(model), steps=4)
     with pytest.raises(gradaccum.ConfigError, match=r"ended after 5 items; its len\(\) promised 8"):
         train(acc, model, Liar())
+
+
+@pytest.mark.parametrize(("n", "steps"), [(4, 3), (8, 3), (7, 5)])
+def test_known_length_partial_window_divides_by_k_from_its_first_microstep(
+    n: int, steps: int
+) -> None:
+    """With len known, the trailing window's gradient is bitwise the hand-written 1/k loop."""
+    batches = make_batches([3] * n)
+    model = make_model()
+    acc = gradaccum.Accumulator(model, sgd(model), steps=steps, drop_last=False)
+    k = n % steps
+    for index, batch in enumerate(acc.epoch(batches)):
+        if index == n - k:  # the trailing window starts: replay it by hand on a twin
+            twin = copy.deepcopy(model)
+            for tail in batches[n - k :]:
+                (mean_loss(twin, tail) / k).backward()
+        with acc.microstep(mean_loss(model, batch)) as step:
+            if index == n - 1:
+                assert step.boundary
+                for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+                    assert torch.equal(p.grad, q.grad)

@@ -24,7 +24,7 @@ from tests.helpers import (
 TOL = 1e-10
 
 
-def windows_of(batches: list, steps: int, drop_last: bool = True) -> list[list]:  # type: ignore[type-arg]
+def windows_of(batches: list, steps: int, drop_last: bool = True) -> list[list]:
     windows = [batches[i : i + steps] for i in range(0, len(batches), steps)]
     return [w for w in windows if len(w) == steps or not drop_last]
 
@@ -119,7 +119,7 @@ def test_boundary_body_sees_the_full_window_gradient_clipped() -> None:
             assert norm.item() > 0.05  # clipping is active in this test
             clipped = [g * (0.05 / (norm.item() + 1e-6)) for g in grads]
             got = [p.grad for p in model.parameters()]
-            assert max((g - c).abs().max().item() for g, c in zip(got, clipped)) < TOL  # type: ignore[operator]
+            assert max((g - c).abs().max().item() for g, c in zip(got, clipped, strict=True)) < TOL
             with torch.no_grad():
                 for param, grad in zip(params, clipped, strict=True):
                     param -= 0.1 * grad
@@ -170,7 +170,7 @@ def test_items_window_loss_is_the_item_mean() -> None:
     assert abs(step.loss.item() - (sums[0].item() + sums[1].item()) / 6) < TOL
 
 
-def plain_loop(model, optimizer, scheduler, batches) -> None:  # type: ignore[no-untyped-def]
+def plain_loop(model, optimizer, scheduler, batches) -> None:
     for batch in batches:
         optimizer.zero_grad(set_to_none=True)
         mean_loss(model, batch).backward()

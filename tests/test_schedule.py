@@ -77,7 +77,7 @@ def test_the_13_over_4_cadence() -> None:
         (lambda: gradaccum.interval(0.5, 10.0), TypeError, ["steps_per_epoch", "10.0"]),
     ],
 )
-def test_bad_arguments_are_named(call, error, fragments) -> None:  # type: ignore[no-untyped-def]
+def test_bad_arguments_are_named(call, error, fragments) -> None:
     """Each refusal names the argument and quotes the value; each is a GradaccumError."""
     with pytest.raises(error) as caught:
         call()

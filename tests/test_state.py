@@ -14,7 +14,7 @@ from tests.helpers import make_batches, make_model, mean_loss
 BATCHES = make_batches([3] * 13, dtype=torch.float32)
 
 
-def build(steps: int = 4):  # type: ignore[no-untyped-def]
+def build(steps: int = 4):
     model = make_model(dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.1, total_iters=6)
@@ -26,7 +26,7 @@ def build(steps: int = 4):  # type: ignore[no-untyped-def]
     )
 
 
-def train(parts, epochs: int, stop_after: int | None = None) -> None:  # type: ignore[no-untyped-def]
+def train(parts, epochs: int, stop_after: int | None = None) -> None:
     model, _, _, acc = parts
     for _ in range(epochs):
         for batch in acc.epoch(BATCHES):
@@ -36,7 +36,7 @@ def train(parts, epochs: int, stop_after: int | None = None) -> None:  # type: i
                 return
 
 
-def save(parts) -> bytes:  # type: ignore[no-untyped-def]
+def save(parts) -> bytes:
     model, optimizer, scheduler, acc = parts
     buffer = io.BytesIO()
     torch.save(
@@ -51,7 +51,7 @@ def save(parts) -> bytes:  # type: ignore[no-untyped-def]
     return buffer.getvalue()
 
 
-def load(blob: bytes):  # type: ignore[no-untyped-def]
+def load(blob: bytes):
     parts = build()
     model, optimizer, scheduler, acc = parts
     state: dict[str, Any] = torch.load(io.BytesIO(blob))
@@ -62,7 +62,7 @@ def load(blob: bytes):  # type: ignore[no-untyped-def]
     return parts
 
 
-def assert_same_run(a, b) -> None:  # type: ignore[no-untyped-def]
+def assert_same_run(a, b) -> None:
     (model_a, opt_a, _, acc_a), (model_b, opt_b, _, acc_b) = a, b
     for p, q in zip(model_a.parameters(), model_b.parameters(), strict=True):
         assert torch.equal(p, q)
@@ -124,7 +124,7 @@ def test_resume_with_other_steps_or_policy_is_refused() -> None:
     parts = build()
     state = parts[3].state_dict()
     _, _, _, other = build(steps=2)
-    with pytest.raises(gradaccum.ConfigError, match="saved with steps=4.*steps=2.*steps=4"):
+    with pytest.raises(gradaccum.ConfigError, match=r"saved with steps=4.*steps=2.*steps=4"):
         other.load_state_dict(state)
     model = make_model()
     keep = gradaccum.Accumulator(
@@ -169,5 +169,5 @@ def test_resume_position_past_the_epoch_is_refused() -> None:
     state = parts[3].state_dict() | {"position": 12}
     _, _, _, acc = build()
     acc.load_state_dict(state)
-    with pytest.raises(gradaccum.ConfigError, match="microbatch 12.*past the 8"):
+    with pytest.raises(gradaccum.ConfigError, match=r"microbatch 12.*past the 8"):
         acc.epoch(BATCHES[:8])

@@ -32,7 +32,7 @@ def test_no_sync_on_a_plain_module_accumulates_normally() -> None:
     for batch in batches:
         mean_loss(twin, batch).backward()
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
-        assert torch.equal(p.grad, q.grad)  # type: ignore[arg-type]
+        assert torch.equal(p.grad, q.grad)
 
 
 @pytest.fixture

@@ -54,7 +54,7 @@ def test_construction_refuses_bad_arguments_before_any_work(
     """Each bad argument raises its builtin and GradaccumError; no state is touched."""
     MODEL.zero_grad(set_to_none=True)
     mean_loss(MODEL, make_batches([2])[0]).backward()
-    grads = [p.grad.clone() for p in MODEL.parameters()]  # type: ignore[union-attr]
+    grads = [p.grad.clone() for p in MODEL.parameters()]
     arguments: dict[str, Any] = {"model": MODEL, "optimizer": OPTIMIZER} | override
     with pytest.raises(error) as caught:
         gradaccum.Accumulator(**arguments)
@@ -62,7 +62,7 @@ def test_construction_refuses_bad_arguments_before_any_work(
     for fragment in fragments:
         assert fragment in str(caught.value)
     for param, grad in zip(MODEL.parameters(), grads, strict=True):
-        assert torch.equal(param.grad, grad)  # type: ignore[arg-type]
+        assert torch.equal(param.grad, grad)
     OPTIMIZER.step()  # still the user's: no hook was left behind
 
 
@@ -112,5 +112,5 @@ def test_distributed_wrappers_are_refused_not_half_supported() -> None:
         def no_sync(self) -> None: ...
 
     wrapped = Wrapper()
-    with pytest.raises(gradaccum.ConfigTypeError, match="Wrapper.*unwrapped modules only"):
+    with pytest.raises(gradaccum.ConfigTypeError, match=r"Wrapper.*unwrapped modules only"):
         gradaccum.Accumulator(wrapped, torch.optim.SGD(wrapped.parameters(), lr=0.1))
