@@ -12,7 +12,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Dispatch the subcommand; ``verify`` is the only one."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] != "verify":
-        print("usage: python -m gradaccum verify [--steps N] [--device D] [--json]", file=sys.stderr)
+        usage = "usage: python -m gradaccum verify [--steps N] [--device D] [--json]"
+        print(usage, file=sys.stderr)
         return 2
     return verify(args[1:])
 

@@ -32,7 +32,7 @@ TOLERANCE = 1e-10
 _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional"})
 
 
-class OpCounter(TorchDispatchMode):
+class OpCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves it untyped
     """Count, at the dispatcher, the collectives and the device-to-host syncs that ran.
 
     A host sync is ``aten._local_scalar_dense``: what ``.item()``, ``bool(tensor)`` and
@@ -40,7 +40,7 @@ class OpCounter(TorchDispatchMode):
     """
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.collectives: Counter[str] = Counter()
         self.host_syncs = 0
 
@@ -184,18 +184,32 @@ def run_single_process(steps: int, device: torch.device) -> Row:
     )
 
 
-def _format_collectives(per_policy: dict[str, dict[str, float]]) -> str:
+def _collectives(per_policy: dict[str, dict[str, float]]) -> str:
+    """``auto|boundary|every`` counts per window, e.g. ``0|0|0`` or ``1 allreduce_|...``."""
+
     def one(counts: dict[str, float]) -> str:
         return "+".join(f"{n:g} {name}" for name, n in sorted(counts.items())) or "0"
 
-    return " | ".join(f"{policy}: {one(counts)}" for policy, counts in per_policy.items())
+    return "|".join(one(per_policy[policy]) for policy in get_args(SyncPolicy))
 
 
 def _print_table(rows: list[Row], device: torch.device) -> None:
     print(f"gradaccum verify: torch {torch.__version__}, device {device}")
-    header = ("path", "launch", "steps", "opt/sched steps", "max |grad - ref|", "host syncs")
-    lines = [header]
+    lines = [
+        (
+            "path",
+            "launch",
+            "steps",
+            "opt/sched steps",
+            "max |grad - ref|",
+            "host syncs",
+            "collectives/window auto|boundary|every",
+            "peak memory",
+            "result",
+        )
+    ]
     for row in rows:
+        memory = "n/a (cpu)" if row.peak_memory_bytes is None else f"{row.peak_memory_bytes} B"
         lines.append(
             (
                 row.path,
@@ -204,18 +218,14 @@ def _print_table(rows: list[Row], device: torch.device) -> None:
                 f"{row.optimizer_steps}/{row.scheduler_steps} of {row.expected_steps}",
                 f"{row.max_abs_diff:.1e}",
                 str(row.host_syncs_off_boundary),
+                _collectives(row.collectives_per_window),
+                memory,
+                "ok" if row.ok else "FAIL",
             )
         )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    widths = [max(len(cell) for cell in column) for column in zip(*lines, strict=True)]
     for line in lines:
-        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths)))
-    for row in rows:
-        memory = "n/a on cpu" if row.peak_memory_bytes is None else f"{row.peak_memory_bytes} B"
-        status = "ok" if row.ok else "FAIL"
-        print(
-            f"{row.path} steps={row.steps}: collectives per window "
-            f"({_format_collectives(row.collectives_per_window)}); peak memory {memory}; {status}"
-        )
+        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
