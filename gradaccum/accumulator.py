@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sized
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
 from types import TracebackType
-from typing import Any, Literal, TypeVar, get_args
+from typing import Any, Literal, NoReturn, TypeVar, get_args
 
 import torch
 from torch import nn
@@ -25,7 +25,6 @@ SyncPolicy = Literal["auto", "boundary", "every"]
 _STATE_VERSION = 1
 
 
-@dataclass(slots=True)
 class Step:
     """What a microstep reports; the window fields are filled on the boundary only.
 
@@ -34,8 +33,6 @@ class Step:
             sees the window's full gradient, clipped, not yet applied.
         global_step: The optimizer step this window becomes (``acc.global_step`` after
             the block exits); on other microsteps, the steps completed so far.
-        loss: The window's loss as a detached 0-dim tensor: the mean of the microbatch
-            losses, or the summed losses over the window's items with ``num_items``.
         grad_norm: The total gradient norm before clipping, a 0-dim tensor; ``None``
             without ``max_grad_norm``.
         lr: The learning rate of the first parameter group for this update.
@@ -43,12 +40,51 @@ class Step:
             scheduler step). Known once the block has exited.
     """
 
-    boundary: bool
-    global_step: int
-    loss: torch.Tensor | None = None
-    grad_norm: torch.Tensor | None = None
-    lr: float | torch.Tensor | None = None
-    skipped: bool = False
+    __slots__ = (
+        "_divisor",
+        "_loss",
+        "_losses",
+        "boundary",
+        "global_step",
+        "grad_norm",
+        "lr",
+        "skipped",
+    )
+
+    def __init__(
+        self,
+        boundary: bool,
+        global_step: int,
+        *,
+        losses: Sequence[torch.Tensor] = (),
+        divisor: int | torch.Tensor = 1,
+        grad_norm: torch.Tensor | None = None,
+        lr: float | torch.Tensor | None = None,
+    ) -> None:
+        self.boundary = boundary
+        self.global_step = global_step
+        self.grad_norm = grad_norm
+        self.lr = lr
+        self.skipped = False
+        self._losses = losses
+        self._divisor = divisor
+        self._loss: torch.Tensor | None = None
+
+    @property
+    def loss(self) -> torch.Tensor | None:
+        """The window's loss, a detached 0-dim tensor; ``None`` off the boundary.
+
+        The mean of the microbatch losses, or with ``num_items`` the summed losses over
+        the window's items. Computed on first read, so an unread loss costs nothing.
+        """
+        if self._loss is None and self._losses:
+            total = torch.stack([loss.detach() for loss in self._losses]).sum()
+            self._loss = total / self._divisor
+        return self._loss
+
+    def __repr__(self) -> str:
+        fields = ("boundary", "global_step", "loss", "grad_norm", "lr", "skipped")
+        return f"Step({', '.join(f'{name}={getattr(self, name)!r}' for name in fields)})"
 
 
 class Accumulator:
@@ -121,8 +157,11 @@ class Accumulator:
         self._position = 0  # microbatches of the current epoch handed out by `epoch`
         self._resume_at = 0  # microbatches `epoch` skips after `load_state_dict`
         self._in_block = False
+        self._prepared = False  # microstep() returned the block; its `with` has not begun
+        self._block = _Microstep(self)
         self._stepping = False  # the accumulator itself is calling optimizer.step()
         self._closed = False
+        self._armed: bool | None = None  # what the strategy was last told
         self._reset_window()
         optimizer.zero_grad(set_to_none=True)
         self._hook = optimizer.register_step_pre_hook(self._refuse_foreign_step)
@@ -133,15 +172,20 @@ class Accumulator:
         self._pos = 0  # microsteps back-propagated in this window
         self._size = self._steps  # microsteps in this window
         self._den = self._steps  # what mean-mode losses were divided by
-        self._mode: Literal["mean", "items"] | None = None
+        self._by_items = False  # this window passes num_items (set by its first microstep)
         self._losses: list[torch.Tensor] = []
         self._items: list[int | torch.Tensor] = []
         self._pending: Step | None = None  # the boundary step, between enter and exit
         self._unscaled = False
+        self._idle = Step(boundary=False, global_step=self._global_step)
         self._arm()
 
     def _arm(self) -> None:
-        self._strategy.arm(self.sync_gradients or self._sync == "every")
+        """Set the next backward's communication, calling the strategy only on a change."""
+        sync = self._pos == self._size - 1 or self._sync == "every"
+        if sync is not self._armed:
+            self._armed = sync
+            self._strategy.arm(sync)
 
     @property
     def steps(self) -> int:
@@ -182,44 +226,59 @@ class Accumulator:
             ConfigError: ``loss`` is not a 0-dim tensor that requires grad, or
                 ``num_items`` is negative or not 0-dim.
         """
+        # The checks are one cheap condition each on the hot path; messages are built on failure.
+        if self._closed or self._in_block or self._prepared:
+            self._refuse_microstep()
+        if not (isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.requires_grad):
+            _refuse_loss(loss)
+        by_items = num_items is not None
+        if by_items:
+            _check_num_items(num_items)
+        if self._pos > 0 and by_items is not self._by_items:
+            msg = (
+                f"microstep {self._pos + 1} of this window "
+                f"{'passes' if by_items else 'omits'} num_items but the window's first "
+                f"microstep did {'not' if by_items else 'so'}; pass num_items on every "
+                "microstep of a window or on none"
+            )
+            raise UsageError(msg)
+        self._prepared = True
+        self._block.loss = loss
+        self._block.num_items = num_items
+        return self._block
+
+    def _refuse_microstep(self) -> NoReturn:
         if self._closed:
             msg = "microstep() was called on a closed Accumulator; create a new one"
-            raise UsageError(msg)
-        if self._in_block:
+        elif self._prepared:
+            self._prepared = False  # drop the stale loss so that the corrected loop can run
+            msg = (
+                "the previous acc.microstep(...) was never entered, so its loss was not "
+                "back-propagated; use it as `with acc.microstep(loss):`"
+            )
+        else:
             msg = (
                 "microstep() was called inside another microstep block; "
                 "leave the first `with acc.microstep(...)` block before starting the next"
             )
-            raise UsageError(msg)
-        _check_loss(loss)
-        mode: Literal["mean", "items"] = "mean" if num_items is None else "items"
-        if mode == "items":
-            _check_num_items(num_items)
-        if self._mode is not None and mode != self._mode:
-            msg = (
-                f"microstep {self._pos + 1} of this window "
-                f"{'passes' if mode == 'items' else 'omits'} num_items but the window's "
-                f"first microstep did {'not' if mode == 'items' else 'so'}; pass num_items "
-                "on every microstep of a window or on none"
-            )
-            raise UsageError(msg)
-        return _Microstep(self, loss, num_items)
+        raise UsageError(msg)
 
     def _enter(self, loss: torch.Tensor, num_items: int | torch.Tensor | None) -> Step:
+        self._prepared = False
         self._in_block = True
         if self._pos == 0:
             self._den = self._size
-            self._mode = "mean" if num_items is None else "items"
+            self._by_items = num_items is not None
         try:
             scaled = loss if num_items is not None or self._den == 1 else loss / self._den
             if self._scaler is not None:
                 scaled = self._scaler.scale(scaled)
             scaled.backward()  # type: ignore[no-untyped-call]  # torch leaves it untyped
-            self._losses.append(loss.detach())
+            self._losses.append(loss)
             if num_items is not None:
                 self._items.append(num_items)
-            if not self.sync_gradients:
-                return Step(boundary=False, global_step=self._global_step)
+            if self._pos != self._size - 1:
+                return self._idle
             self._pending = self._prepare_boundary()
         except BaseException:
             self._in_block = False
@@ -230,19 +289,15 @@ class Accumulator:
     def _prepare_boundary(self) -> Step:
         """Normalize, unscale and clip the window's gradient: what the block body sees."""
         count = len(self._losses)
-        loss = self._losses[0] if count == 1 else torch.stack(self._losses).sum()
-        if self._mode == "items":
-            total = sum(self._items, start=0)
-            if isinstance(total, int) and total == 0:
+        divisor: int | torch.Tensor = count
+        if self._by_items:
+            divisor = sum(self._items, start=0)
+            if isinstance(divisor, int) and divisor == 0:
                 msg = f"the {count} microsteps of this window passed num_items summing to 0"
                 raise ConfigError(msg)
-            _scale_grads(self._params, total, divide=True)
-            loss = loss / total
-        else:
-            if self._den != self._size:  # the epoch ended early: 1/den becomes 1/size
-                _scale_grads(self._params, self._den / self._size, divide=False)
-            if count > 1:
-                loss = loss / count
+            _scale_grads(self._params, divisor, divide=True)
+        elif self._den != self._size:  # the epoch ended early: 1/den becomes 1/size
+            _scale_grads(self._params, self._den / self._size, divide=False)
         if self._scaler is not None:
             self._scaler.unscale_(self.optimizer)
             self._unscaled = True
@@ -252,7 +307,8 @@ class Accumulator:
         return Step(
             boundary=True,
             global_step=self._global_step + 1,
-            loss=loss,
+            losses=self._losses,
+            divisor=divisor,
             grad_norm=grad_norm,
             lr=self.optimizer.param_groups[0]["lr"],
         )
@@ -264,7 +320,8 @@ class Accumulator:
             self._discard_window()
         elif step is None:
             self._pos += 1
-            self._arm()
+            if self._pos == self._size - 1:
+                self._arm()
         else:
             try:
                 step.skipped = self._apply()
@@ -353,20 +410,25 @@ class Accumulator:
             )
             self._discard_window()
         skip, self._resume_at = self._resume_at, 0
-        seen = 0
-        for index, (item, last) in enumerate(_flag_last(iter(iterable), planned)):
-            seen = index + 1
-            if index < skip:
-                continue
-            if self._pos == 0:
-                self._size = self._steps
-                if planned is not None and not self._drop_last:
-                    self._size = min(self._steps, planned - index)
-            if last and not self._drop_last:
-                self._size = self._pos + 1
-            self._arm()
-            self._position = seen
-            yield item
+        iterator = iter(iterable)
+        seen = start = sum(1 for _ in itertools.islice(iterator, skip))
+        if planned is not None:
+            for seen, item in enumerate(itertools.islice(iterator, planned - start), start + 1):
+                self._hand_out(seen, planned - seen)
+                yield item
+            if seen < planned:
+                msg = f"the iterable ended after {seen} items; its len() promised {planned}"
+                raise ConfigError(msg)
+        else:
+            held: tuple[T] | None = None
+            for item in iterator:
+                if held is not None:
+                    self._hand_out(seen := seen + 1, None)
+                    yield held[0]
+                held = (item,)
+            if held is not None:
+                self._hand_out(seen := seen + 1, 0)
+                yield held[0]
         self._position = 0
         if self._pos > 0:
             if planned is not None or not self._drop_last:
@@ -379,6 +441,22 @@ class Accumulator:
             self._discard_window()
         if planned is None:
             self._check_epoch_length(seen, known=False)
+
+    def _hand_out(self, position: int, remaining: int | None) -> None:
+        """Size the window and arm its sync before a microbatch reaches the user's forward.
+
+        Args:
+            position: Microbatches of the epoch handed out, this one included.
+            remaining: How many follow it in the epoch, when known.
+        """
+        self._position = position
+        if self._drop_last:
+            return
+        if self._pos == 0 and remaining is not None:
+            self._size = min(self._steps, remaining + 1)
+        if remaining == 0:
+            self._size = self._pos + 1  # the epoch's last microbatch closes the window
+        self._arm()
 
     def _check_epoch_length(self, n: int, *, known: bool) -> None:
         """The guard: an epoch that gives no optimizer step is a configuration error."""
@@ -485,19 +563,21 @@ class Accumulator:
 
 
 class _Microstep:
-    """The ``with`` block of one microstep; see `Accumulator.microstep`."""
+    """The ``with`` block of a microstep, one per accumulator; see `Accumulator.microstep`."""
 
-    __slots__ = ("_acc", "_loss", "_num_items")
+    __slots__ = ("_acc", "loss", "num_items")
 
-    def __init__(
-        self, acc: Accumulator, loss: torch.Tensor, num_items: int | torch.Tensor | None
-    ) -> None:
+    def __init__(self, acc: Accumulator) -> None:
         self._acc = acc
-        self._loss = loss
-        self._num_items = num_items
+        self.loss: torch.Tensor | None = None
+        self.num_items: int | torch.Tensor | None = None
 
     def __enter__(self) -> Step:
-        return self._acc._enter(self._loss, self._num_items)
+        loss, self.loss = self.loss, None
+        if loss is None:
+            msg = "a microstep block was entered twice; call acc.microstep(loss) for each one"
+            raise UsageError(msg)
+        return self._acc._enter(loss, self.num_items)
 
     def __exit__(
         self,
@@ -505,7 +585,7 @@ class _Microstep:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._acc._exit(failed=exc_type is not None)
+        self._acc._exit(exc_type is not None)
 
 
 # Validation and helpers -----------------------------------------------------------
@@ -562,7 +642,8 @@ def _check_scaler(scaler: object) -> torch.amp.GradScaler | None:
     return scaler if scaler.is_enabled() else None
 
 
-def _check_loss(loss: object) -> None:
+def _refuse_loss(loss: object) -> None:
+    """Raise the error that says why ``loss`` cannot be back-propagated as a microstep."""
     if not isinstance(loss, torch.Tensor):
         msg = f"loss must be a torch.Tensor, got {describe(loss)}"
         raise ConfigTypeError(msg)
@@ -620,22 +701,3 @@ def _length(iterable: Iterable[Any]) -> int | None:
         return len(iterable)
     except TypeError:  # a DataLoader over an IterableDataset has __len__ but may raise
         return None
-
-
-def _flag_last(iterator: Iterator[T], planned: int | None) -> Iterator[tuple[T, bool]]:
-    """Pair each item with whether it is the epoch's last: counted, or one looked ahead."""
-    if planned is not None:
-        for index in range(planned):
-            try:
-                yield next(iterator), index == planned - 1
-            except StopIteration:
-                msg = f"the iterable ended after {index} items; its len() promised {planned}"
-                raise ConfigError(msg) from None
-        return
-    held: tuple[T] | None = None
-    for item in iterator:
-        if held is not None:
-            yield held[0], False
-        held = (item,)
-    if held is not None:
-        yield held[0], True
