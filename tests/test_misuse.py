@@ -136,3 +136,19 @@ def test_closed_accumulator_refuses_and_releases_the_optimizer() -> None:
     optimizer.step()  # no longer refused: the hook is gone
     acc.close()  # idempotent
     assert "global_step=0" in repr(acc)
+
+
+def test_microstep_never_entered_is_refused() -> None:
+    """acc.microstep(loss) without `with` would silently skip the backward: refused."""
+    model, _, _, acc = setup(steps=2)
+    batch = make_batches([2])[0]
+    acc.microstep(mean_loss(model, batch))
+    with pytest.raises(gradaccum.UsageError, match="never entered"):
+        acc.microstep(mean_loss(model, batch))
+    assert all(p.grad is None for p in model.parameters())  # no backward ran
+    block = acc.microstep(mean_loss(model, batch))  # the corrected loop runs on
+    with block:
+        pass
+    with pytest.raises(gradaccum.UsageError, match="entered twice"), block:
+        pass
+    assert repr(acc) == "Accumulator(steps=2, global_step=0, window=1/2)"
