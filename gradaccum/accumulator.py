@@ -6,7 +6,6 @@ import itertools
 import math
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
-from types import TracebackType
 from typing import Any, Literal, NoReturn, TypeVar, get_args
 
 import torch
@@ -547,12 +546,7 @@ class Accumulator:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
@@ -579,12 +573,7 @@ class _Microstep:
             raise UsageError(msg)
         return self._acc._enter(loss, self.num_items)
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         self._acc._exit(exc_type is not None)
 
 

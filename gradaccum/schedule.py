@@ -17,14 +17,7 @@ def check_steps(steps: object, name: str = "steps") -> int:
         ConfigTypeError: ``steps`` is not an int (``True``, ``1.5`` and ``"4"`` are not).
         ConfigError: ``steps`` is an int below 1.
     """
-    fix = "pass 1 for no accumulation"
-    if not isinstance(steps, int) or isinstance(steps, bool):
-        msg = f"{name} must be a positive int, got {describe(steps)}; {fix}"
-        raise ConfigTypeError(msg)
-    if steps < 1:
-        msg = f"{name} must be a positive int, got {steps}; {fix}"
-        raise ConfigError(msg)
-    return steps
+    return _check_int(steps, name, "a positive int", 1, "; pass 1 for no accumulation")
 
 
 def check_count(value: object, name: str) -> int:
@@ -34,11 +27,15 @@ def check_count(value: object, name: str) -> int:
         ConfigTypeError: ``value`` is not an int (bools are refused).
         ConfigError: ``value`` is negative.
     """
+    return _check_int(value, name, "a non-negative int", 0, "")
+
+
+def _check_int(value: object, name: str, expected: str, minimum: int, fix: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
-        msg = f"{name} must be a non-negative int, got {describe(value)}"
+        msg = f"{name} must be {expected}, got {describe(value)}{fix}"
         raise ConfigTypeError(msg)
-    if value < 0:
-        msg = f"{name} must be a non-negative int, got {value}"
+    if value < minimum:
+        msg = f"{name} must be {expected}, got {value}{fix}"
         raise ConfigError(msg)
     return value
 
