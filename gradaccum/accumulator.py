@@ -411,6 +411,12 @@ class Accumulator:
         skip, self._resume_at = self._resume_at, 0
         iterator = iter(iterable)
         seen = start = sum(1 for _ in itertools.islice(iterator, skip))
+        if start < skip:
+            msg = (
+                f"the loaded state resumes at microbatch {skip} of the epoch, but the "
+                f"iterable ended after {start}; pass the same data"
+            )
+            raise ConfigError(msg)
         if planned is not None:
             for seen, item in enumerate(itertools.islice(iterator, planned - start), start + 1):
                 self._hand_out(seen, planned - seen)

@@ -171,3 +171,13 @@ def test_resume_position_past_the_epoch_is_refused() -> None:
     acc.load_state_dict(state)
     with pytest.raises(gradaccum.ConfigError, match=r"microbatch 12.*past the 8"):
         acc.epoch(BATCHES[:8])
+
+
+def test_resume_past_an_unsized_epoch_is_refused() -> None:
+    """Without len the shortfall shows while skipping: refused, naming both counts."""
+    parts = build()
+    train(parts, epochs=1, stop_after=3)
+    _, _, _, acc = build()
+    acc.load_state_dict(parts[3].state_dict())
+    with pytest.raises(gradaccum.ConfigError, match=r"microbatch 12.*ended after 5"):
+        next(acc.epoch(iter(BATCHES[:5])))
