@@ -14,7 +14,7 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 from typing_extensions import Self
 
 from gradaccum.errors import ConfigError, ConfigTypeError, GradaccumWarning, UsageError, describe
-from gradaccum.schedule import check_count, check_steps, total_steps
+from gradaccum.schedule import check_count, check_steps, steps_per_epoch, total_steps
 from gradaccum.sync import strategy_for
 
 __all__ = ["Accumulator", "Step", "SyncPolicy"]
@@ -379,8 +379,9 @@ class Accumulator:
         After `load_state_dict` the first epoch skips the microbatches already trained.
 
         Raises:
-            ConfigError: The epoch has too few microbatches for one optimizer step;
-                for an iterable without ``len`` this is known only at its end.
+            ConfigError: The epoch has too few microbatches for one optimizer step (for
+                an iterable without ``len`` this is known only at its end), or a loaded
+                position lies past its end.
             UsageError: The accumulator is closed.
         """
         if self._closed:
@@ -390,7 +391,7 @@ class Accumulator:
         planned = None
         if n is not None:
             self._check_epoch_length(n, known=True)
-            planned = n if not self._drop_last else n - n % self._steps
+            planned = steps_per_epoch(n, self._steps) * self._steps if self._drop_last else n
             if self._resume_at > planned:
                 msg = (
                     f"the loaded state resumes at microbatch {self._resume_at} of the epoch, "
