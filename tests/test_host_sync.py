@@ -68,12 +68,13 @@ def test_no_sync_under_cuda_sync_debug_mode() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     acc = gradaccum.Accumulator(model, optimizer, steps=2, max_grad_norm=1.0)
     batches = [(x.to(device), y.to(device)) for x, y in make_batches([2] * 4)]
+    items = [torch.tensor(2, device=device) for _ in batches]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for batch in batches:
+        for batch, count in zip(batches, items, strict=True):
             loss = sum_loss(model, batch)
-            with acc.microstep(loss, num_items=torch.tensor(2, device=device)):
+            with acc.microstep(loss, num_items=count):
                 pass
     finally:
         torch.cuda.set_sync_debug_mode("default")
