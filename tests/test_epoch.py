@@ -7,6 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import gradaccum
 from tests.helpers import make_batches, make_model, max_param_diff, mean_loss, reference_sgd, sgd
@@ -189,3 +191,36 @@ def test_known_length_partial_window_divides_by_k_from_its_first_microstep(
                 assert step.boundary
                 for p, q in zip(model.parameters(), twin.parameters(), strict=True):
                     assert torch.equal(p.grad, q.grad)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    n=st.integers(min_value=0, max_value=30),
+    steps=st.integers(min_value=1, max_value=7),
+    drop_last=st.booleans(),
+    sized=st.booleans(),
+)
+def test_boundaries_are_announced_before_each_forward(
+    n: int, steps: int, drop_last: bool, sized: bool
+) -> None:
+    """acc.sync_gradients, read before the forward, marks exactly the windows' last items."""
+    per_epoch = gradaccum.total_steps(n, steps, drop_last=drop_last)
+    # Without len the trailing partial window is still handed out (then discarded).
+    handed = per_epoch * steps if drop_last and sized else n
+    expected = [(i + 1) % steps == 0 or (not drop_last and i == n - 1) for i in range(handed)]
+    model = make_model()
+    optimizer = sgd(model)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    acc = gradaccum.Accumulator(model, optimizer, scheduler, steps=steps, drop_last=drop_last)
+    batches = [(torch.ones(1, 5, dtype=torch.float64), torch.zeros(1, 1, dtype=torch.float64))] * n
+    flags = []
+    try:
+        for batch in acc.epoch(batches if sized else generator(batches)):
+            flags.append(acc.sync_gradients)
+            with acc.microstep(mean_loss(model, batch)) as step:
+                assert step.boundary is flags[-1]
+    except gradaccum.ConfigError:
+        assert per_epoch == 0  # the guard, and only when no step is possible
+        return
+    assert flags == expected
+    assert acc.global_step == scheduler.last_epoch == per_epoch
