@@ -224,3 +224,21 @@ def test_boundaries_are_announced_before_each_forward(
         return
     assert flags == expected
     assert acc.global_step == scheduler.last_epoch == per_epoch
+
+
+def test_dataloader_over_an_iterable_dataset_is_treated_as_unsized() -> None:
+    """DataLoader(IterableDataset) has __len__ that raises: handled as an unsized epoch."""
+
+    class Stream(torch.utils.data.IterableDataset[torch.Tensor]):
+        def __iter__(self) -> Iterator[torch.Tensor]:
+            return iter(torch.randn(7, 5, dtype=torch.float64))
+
+    loader = torch.utils.data.DataLoader(Stream(), batch_size=None)
+    model = make_model()
+    acc = gradaccum.Accumulator(model, sgd(model), steps=3, drop_last=False)
+    handed = 0
+    for x in acc.epoch(loader):
+        handed += 1
+        with acc.microstep(model(x).square().mean()):
+            pass
+    assert (handed, acc.global_step) == (7, 3)
