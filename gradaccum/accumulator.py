@@ -156,8 +156,7 @@ class Accumulator:
         self._position = 0  # microbatches of the current epoch handed out by `epoch`
         self._resume_at = 0  # microbatches `epoch` skips after `load_state_dict`
         self._in_block = False
-        self._prepared = False  # microstep() returned the block; its `with` has not begun
-        self._block = _Microstep(self)
+        self._block = _Microstep(self)  # holds a loss from microstep() until it is entered
         self._stepping = False  # the accumulator itself is calling optimizer.step()
         self._closed = False
         self._armed: bool | None = None  # what the strategy was last told
@@ -226,7 +225,7 @@ class Accumulator:
                 ``num_items`` is negative or not 0-dim.
         """
         # The checks are one cheap condition each on the hot path; messages are built on failure.
-        if self._closed or self._in_block or self._prepared:
+        if self._closed or self._in_block or self._block.loss is not None:
             self._refuse_microstep()
         if not (isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.requires_grad):
             _refuse_loss(loss)
@@ -241,7 +240,6 @@ class Accumulator:
                 "microstep of a window or on none"
             )
             raise UsageError(msg)
-        self._prepared = True
         self._block.loss = loss
         self._block.num_items = num_items
         return self._block
@@ -249,8 +247,8 @@ class Accumulator:
     def _refuse_microstep(self) -> NoReturn:
         if self._closed:
             msg = "microstep() was called on a closed Accumulator; create a new one"
-        elif self._prepared:
-            self._prepared = False  # drop the stale loss so that the corrected loop can run
+        elif self._block.loss is not None:
+            self._block.loss = None  # drop the stale loss so that the corrected loop can run
             msg = (
                 "the previous acc.microstep(...) was never entered, so its loss was not "
                 "back-propagated; use it as `with acc.microstep(loss):`"
@@ -263,7 +261,6 @@ class Accumulator:
         raise UsageError(msg)
 
     def _enter(self, loss: torch.Tensor, num_items: int | torch.Tensor | None) -> Step:
-        self._prepared = False
         self._in_block = True
         if self._pos == 0:
             self._den = self._size
