@@ -42,17 +42,18 @@ def concat(window: list[Batch]) -> Batch:
     return torch.cat([x for x, _ in window]), torch.cat([y for _, y in window])
 
 
-def reference_sgd(
-    model: nn.Module, windows: list[list[Batch]], lr: float, max_norm: float | None = None
-) -> nn.Module:
+def windows_of(batches: list[Batch], steps: int, drop_last: bool = True) -> list[list[Batch]]:
+    """Consecutive windows of ``steps`` microbatches; the short last one unless drop_last."""
+    windows = [batches[i : i + steps] for i in range(0, len(batches), steps)]
+    return [w for w in windows if len(w) == steps or not drop_last]
+
+
+def reference_sgd(model: nn.Module, windows: list[list[Batch]], lr: float) -> nn.Module:
     """Plain SGD, one step per window on the window as one big batch (item-mean loss)."""
     twin = copy.deepcopy(model)
     params = list(twin.parameters())
     for window in windows:
         grads = torch.autograd.grad(mean_loss(twin, concat(window)), params)
-        if max_norm is not None:
-            norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
-            grads = tuple(g * min(1.0, max_norm / (norm.item() + 1e-6)) for g in grads)
         with torch.no_grad():
             for param, grad in zip(params, grads, strict=True):
                 param -= lr * grad

@@ -11,7 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gradaccum
-from tests.helpers import make_batches, make_model, max_param_diff, mean_loss, reference_sgd, sgd
+from tests.helpers import (
+    make_batches,
+    make_model,
+    max_param_diff,
+    mean_loss,
+    reference_sgd,
+    sgd,
+    windows_of,
+)
 
 TOL = 1e-10
 
@@ -35,7 +43,7 @@ def test_partial_window_is_scaled_by_its_own_length(n: int, steps: int, sized: b
     """drop_last=False: the trailing k microbatches step as one window with weight 1/k."""
     batches = make_batches([3] * n)
     model = make_model()
-    windows = [batches[i : i + steps] for i in range(0, n, steps)]
+    windows = windows_of(batches, steps, drop_last=False)
     expected = reference_sgd(model, windows, lr=0.1)
     acc = gradaccum.Accumulator(model, sgd(model), steps=steps, drop_last=False)
     assert train(acc, model, batches if sized else generator(batches)) == n
@@ -60,7 +68,7 @@ def test_unsized_iterable_discards_trailing_gradient() -> None:
     """Without len, the trailing partial window is back-propagated but never applied."""
     batches = make_batches([2] * 13)
     model = make_model()
-    expected = reference_sgd(model, [batches[0:4], batches[4:8], batches[8:12]], lr=0.1)
+    expected = reference_sgd(model, windows_of(batches, 4), lr=0.1)
     acc = gradaccum.Accumulator(model, sgd(model), steps=4)
     assert train(acc, model, generator(batches)) == 13
     assert acc.global_step == 3

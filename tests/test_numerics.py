@@ -19,14 +19,10 @@ from tests.helpers import (
     reference_sgd,
     sgd,
     sum_loss,
+    windows_of,
 )
 
 TOL = 1e-10
-
-
-def windows_of(batches: list, steps: int, drop_last: bool = True) -> list[list]:
-    windows = [batches[i : i + steps] for i in range(0, len(batches), steps)]
-    return [w for w in windows if len(w) == steps or not drop_last]
 
 
 @settings(max_examples=60, deadline=None)
