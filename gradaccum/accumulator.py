@@ -180,7 +180,7 @@ class Accumulator:
 
     def _arm(self) -> None:
         """Set the next backward's communication, calling the strategy only on a change."""
-        sync = self._pos == self._size - 1 or self._sync == "every"
+        sync = self.sync_gradients or self._sync == "every"
         if sync is not self._armed:
             self._armed = sync
             self._strategy.arm(sync)
@@ -273,7 +273,7 @@ class Accumulator:
             self._losses.append(loss)
             if num_items is not None:
                 self._items.append(num_items)
-            if self._pos != self._size - 1:
+            if self._pos != self._size - 1:  # sync_gradients, inlined on the hot path
                 return self._idle
             self._pending = self._prepare_boundary()
         except BaseException:
@@ -316,7 +316,7 @@ class Accumulator:
             self._discard_window()
         elif step is None:
             self._pos += 1
-            if self._pos == self._size - 1:
+            if self._pos == self._size - 1:  # the next microstep is the boundary
                 self._arm()
         else:
             try:
