@@ -1,6 +1,6 @@
 """gradaccum: exact, cheap gradient accumulation for PyTorch training loops."""
 
-from gradaccum.accumulator import Accumulator, Step, SyncPolicy
+from gradaccum.accumulator import Accumulator, Step
 from gradaccum.cli import add_arguments
 from gradaccum.errors import (
     ConfigError,
@@ -10,7 +10,7 @@ from gradaccum.errors import (
     UsageError,
 )
 from gradaccum.schedule import interval, steps_per_epoch, total_steps
-from gradaccum.sync import SyncStrategy, no_sync
+from gradaccum.sync import SyncPolicy, SyncStrategy, no_sync, register_sync_strategy
 
 __version__ = "0.1.0"
 
@@ -28,6 +28,7 @@ __all__ = [
     "add_arguments",
     "interval",
     "no_sync",
+    "register_sync_strategy",
     "steps_per_epoch",
     "total_steps",
 ]

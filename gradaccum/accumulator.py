@@ -6,21 +6,21 @@ import itertools
 import math
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
-from typing import Any, Literal, NoReturn, TypeVar, get_args
+from typing import Any, NoReturn, TypeVar, get_args
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 from typing_extensions import Self
 
 from gradaccum.errors import ConfigError, ConfigTypeError, GradaccumWarning, UsageError, describe
 from gradaccum.schedule import check_count, check_steps, steps_per_epoch, total_steps
-from gradaccum.sync import strategy_for
+from gradaccum.sync import SyncPolicy, clip_grad_norm, strategy_for
 
-__all__ = ["Accumulator", "Step", "SyncPolicy"]
+__all__ = ["Accumulator", "Step"]
 
 T = TypeVar("T")
-SyncPolicy = Literal["auto", "boundary", "every"]
 _STATE_VERSION = 1
 
 
@@ -144,7 +144,8 @@ class Accumulator:
         if sync not in get_args(SyncPolicy):
             msg = f"sync must be one of 'auto', 'boundary', 'every', got {describe(sync)}"
             raise ConfigError(msg)
-        self._strategy = strategy_for(model)
+        # With steps=1 every microstep is a boundary: nothing is ever deferred.
+        self._strategy = strategy_for(model, "every" if self._steps == 1 else sync)
         # Everything is validated: from here on the accumulator changes state.
         self.model = model
         self.optimizer = optimizer
@@ -152,6 +153,10 @@ class Accumulator:
         self._drop_last = drop_last
         self._sync: SyncPolicy = sync
         self._params = _unique_params(optimizer)
+        self._group = self._strategy.group
+        self._ranks = 1 if self._group is None else dist.get_world_size(self._group)
+        self._clip = getattr(self._strategy, "clip_grad_norm", clip_grad_norm)
+        self._warned_lengths = False
         self._global_step = 0
         self._position = 0  # microbatches of the current epoch handed out by `epoch`
         self._resume_at = 0  # microbatches `epoch` skips after `load_state_dict`
@@ -288,10 +293,16 @@ class Accumulator:
         divisor: int | torch.Tensor = count
         if self._by_items:
             divisor = sum(self._items, start=0)
-            if isinstance(divisor, int) and divisor == 0:
+            if self._ranks > 1:
+                # Sum the items over ranks, and undo the wrapper's 1/ranks averaging.
+                total = torch.as_tensor(divisor, device=self._params[0].device).clone()
+                dist.all_reduce(total, group=self._group)
+                _scale_grads(self._params, total / self._ranks, divide=True)
+            elif isinstance(divisor, int) and divisor == 0:
                 msg = f"the {count} microsteps of this window passed num_items summing to 0"
                 raise ConfigError(msg)
-            _scale_grads(self._params, divisor, divide=True)
+            else:
+                _scale_grads(self._params, divisor, divide=True)
         elif self._den != self._size:  # the epoch ended early: 1/den becomes 1/size
             _scale_grads(self._params, self._den / self._size, divide=False)
         if self._scaler is not None:
@@ -299,7 +310,7 @@ class Accumulator:
             self._unscaled = True
         grad_norm = None
         if self._max_grad_norm is not None:
-            grad_norm = nn.utils.clip_grad_norm_(self._params, self._max_grad_norm)
+            grad_norm = self._clip(self._params, self._max_grad_norm)
         return Step(
             boundary=True,
             global_step=self._global_step + 1,
@@ -386,6 +397,16 @@ class Accumulator:
             raise UsageError(msg)
         n = _length(iterable)
         planned = None
+        if self._ranks > 1:
+            if n is None:
+                msg = (
+                    f"epoch() got an iterable without len() ({type(iterable).__name__}) on "
+                    f"{self._ranks} ranks, which cannot agree on where the epoch ends; pass "
+                    "a sized iterable, e.g. a DataLoader over a map-style dataset with a "
+                    "DistributedSampler"
+                )
+                raise ConfigError(msg)
+            n = self._agree_on_length(n)
         if n is not None:
             self._check_epoch_length(n, known=True)
             planned = steps_per_epoch(n, self._steps) * self._steps if self._drop_last else n
@@ -396,6 +417,24 @@ class Accumulator:
                 )
                 raise ConfigError(msg)
         return self._epoch(iterable, planned)
+
+    def _agree_on_length(self, n: int) -> int:
+        """The shortest epoch over the ranks (one all-reduce), so that none waits forever."""
+        ends = torch.tensor([n, -n], device=self._params[0].device)
+        dist.all_reduce(ends, op=dist.ReduceOp.MIN, group=self._group)
+        shortest, longest = ends[0].item(), -ends[1].item()
+        if shortest != longest and not self._warned_lengths:
+            self._warned_lengths = True
+            if dist.get_rank() == 0:
+                warnings.warn(
+                    f"the ranks' epochs have between {shortest} and {longest} microbatches; "
+                    f"every rank trains on the first {shortest}, so that no rank waits on a "
+                    "collective the others never call. Shard the data evenly (e.g. "
+                    "DistributedSampler) to train on all of it",
+                    GradaccumWarning,
+                    stacklevel=3,
+                )
+        return int(shortest)
 
     def _epoch(self, iterable: Iterable[T], planned: int | None) -> Iterator[T]:
         if self._pos > 0:

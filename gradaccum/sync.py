@@ -2,15 +2,33 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Protocol
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, Literal, Protocol
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
-from gradaccum.errors import ConfigTypeError
+from gradaccum.errors import ConfigError, ConfigTypeError, GradaccumWarning, describe
 
-__all__ = ["LocalSync", "SyncStrategy", "no_sync", "strategy_for", "unwrap"]
+__all__ = [
+    "FSDP1Sync",
+    "FullyShardSync",
+    "LocalSync",
+    "NoSyncContext",
+    "StrategyFactory",
+    "SyncPolicy",
+    "SyncStrategy",
+    "clip_grad_norm",
+    "no_sync",
+    "register_sync_strategy",
+    "strategy_for",
+    "unwrap",
+]
+
+SyncPolicy = Literal["auto", "boundary", "every"]
 
 
 class SyncStrategy(Protocol):
@@ -18,23 +36,226 @@ class SyncStrategy(Protocol):
 
     The accumulator calls `arm` before each microstep's forward, because some
     wrappers (DDP) decide during the forward whether the backward communicates.
+
+    Attributes:
+        group: The process group whose ranks average the model's gradients, or
+            ``None`` when the gradients stay on this process.
     """
 
+    group: dist.ProcessGroup | None
+
     def arm(self, sync: bool) -> None:
-        """Make the next backward communicate gradients (``True``) or keep them local."""
+        """Prepare the next backward: ``True`` on a window's last microstep (or under
+        ``sync="every"``), ``False`` where the policy lets communication be deferred."""
 
     def restore(self) -> None:
         """Put back the communication state the strategy found."""
 
 
+StrategyFactory = Callable[[nn.Module, SyncPolicy], SyncStrategy]
+"""Builds the strategy for a model (unwrapped from ``torch.compile``) under a policy."""
+
+
 class LocalSync:
     """A module that is not wrapped: its gradients live on this process, nothing to sync."""
+
+    group: dist.ProcessGroup | None = None
 
     def arm(self, sync: bool) -> None:
         """Nothing to arm: there is no communication."""
 
     def restore(self) -> None:
         """Nothing was changed."""
+
+
+class NoSyncContext:
+    """A wrapper with a ``no_sync()`` context manager (DDP, FSDP1): held open while deferring.
+
+    The wrapper's own context manager sets and restores its state, so whatever the
+    model's flags were before, they are exactly what `restore` leaves.
+    """
+
+    def __init__(self, module: Any, *, defer: bool, group: dist.ProcessGroup | None) -> None:
+        self._module = module
+        self._defer = defer
+        self.group = group
+        self._held: AbstractContextManager[Any] | None = None
+
+    def arm(self, sync: bool) -> None:
+        """Enter ``no_sync()`` for a deferred microstep, leave it for a syncing one."""
+        if not sync and self._defer and self._held is None:
+            held = self._module.no_sync()
+            held.__enter__()
+            self._held = held
+        elif sync:
+            self.restore()
+
+    def restore(self) -> None:
+        """Leave ``no_sync()`` if it is held."""
+        held, self._held = self._held, None
+        if held is not None:
+            held.__exit__(None, None, None)
+
+
+class FullyShardSync:
+    """FSDP2 ``fully_shard`` modules, and HSDP when their mesh is 2-D.
+
+    ``"auto"`` reduce-scatters every microstep, so that no unsharded gradient is held
+    between microsteps; on a 2-D (HSDP) mesh it all-reduces across replicas only on
+    the boundary. ``"boundary"`` keeps unsharded gradients until the boundary.
+    """
+
+    def __init__(self, modules: list[Any], policy: SyncPolicy) -> None:
+        self._modules = modules
+        self._policy = policy
+        mesh = _mesh_of(modules)
+        self._hsdp = mesh.ndim == 2
+        self.group: dist.ProcessGroup | None = _mesh_group(mesh)
+        self._found = [_fsdp_flags(module) for module in modules]
+
+    def arm(self, sync: bool) -> None:
+        """Set reduce-scatter and (HSDP) all-reduce for the next backward."""
+        reduce_scatter = sync or self._policy != "boundary"
+        all_reduce = sync or self._policy == "every" or (reduce_scatter and not self._hsdp)
+        for module in self._modules:
+            module.set_requires_gradient_sync(reduce_scatter, recurse=False)
+            module.set_requires_all_reduce(all_reduce, recurse=False)
+
+    def restore(self) -> None:
+        """Put back each parameter group's flags as they were found."""
+        for module, found in zip(self._modules, self._found, strict=True):
+            for param_group, (reduce_scatter, all_reduce) in zip(
+                _param_groups(module), found, strict=True
+            ):
+                param_group.reduce_grads = reduce_scatter
+                param_group.all_reduce_grads = all_reduce
+
+
+def _param_groups(module: Any) -> list[Any]:
+    # FSDP2 keeps its flags on private parameter groups and has no public getter; reading
+    # them is the only way to restore exactly what was found (torch 2.6 has one group).
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    return list(groups)
+
+
+def _fsdp_flags(module: Any) -> list[tuple[bool, bool]]:
+    return [(group.reduce_grads, group.all_reduce_grads) for group in _param_groups(module)]
+
+
+def _mesh_of(modules: list[Any]) -> Any:
+    for module in modules:
+        for param in module.parameters():
+            mesh = getattr(param, "device_mesh", None)
+            if mesh is not None:
+                return mesh
+    msg = "the fully_shard model has no sharded parameter to read its device mesh from"
+    raise ConfigError(msg)
+
+
+def _mesh_group(mesh: Any) -> dist.ProcessGroup:
+    """The group of every rank in the mesh: they all average the gradients."""
+    if mesh.ndim == 1:
+        return mesh.get_group()  # type: ignore[no-any-return]
+    if mesh.size() == dist.get_world_size():
+        return _world()
+    return mesh._flatten().get_group()  # type: ignore[no-any-return]  # no public flatten
+
+
+def _world() -> dist.ProcessGroup:
+    group = dist.group.WORLD
+    assert group is not None  # only called once a process group is up
+    return group
+
+
+def _first(model: nn.Module, cls: type) -> Any:
+    return next(module for module in model.modules() if isinstance(module, cls))
+
+
+def _ddp(model: nn.Module, policy: SyncPolicy) -> SyncStrategy:
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = _first(model, DistributedDataParallel)
+    defer = policy != "every"
+    if defer and getattr(ddp, "static_graph", False):
+        msg = (
+            "model is a DistributedDataParallel with static_graph=True, whose first "
+            "iteration cannot skip the all-reduce (torch's reducer asserts); pass "
+            "sync='every', or build DDP without static_graph=True"
+        )
+        raise ConfigError(msg)
+    return NoSyncContext(ddp, defer=defer, group=ddp.process_group)
+
+
+class FSDP1Sync(NoSyncContext):
+    """FSDP1 (``FullyShardedDataParallel``): its flat gradient shards are clipped by FSDP1.
+
+    Deferring holds unsharded gradients, so only ``"boundary"`` defers.
+    """
+
+    def __init__(self, module: Any, policy: SyncPolicy) -> None:
+        super().__init__(module, defer=policy == "boundary", group=module.process_group)
+
+    def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """FSDP1's own clipping: the norm of the whole gradient over the shards."""
+        return self._module.clip_grad_norm_(max_norm)  # type: ignore[no-any-return]
+
+
+def _fsdp1(model: nn.Module, policy: SyncPolicy) -> SyncStrategy:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return FSDP1Sync(_first(model, FullyShardedDataParallel), policy)
+
+
+def _fully_shard(model: nn.Module, policy: SyncPolicy) -> SyncStrategy:
+    from torch.distributed.fsdp import FSDPModule
+
+    return FullyShardSync([m for m in model.modules() if isinstance(m, FSDPModule)], policy)
+
+
+_registry: dict[type, StrategyFactory] = {}
+_warned: set[type] = set()
+
+
+def register_sync_strategy(wrapper_type: type[nn.Module], factory: StrategyFactory) -> None:
+    """Use ``factory`` for models that contain a ``wrapper_type`` module.
+
+    Registered types are matched before the built-in ones, the latest first; the
+    factory gets the model (unwrapped from ``torch.compile``) and the ``sync`` policy,
+    and returns a `SyncStrategy`.
+
+    Raises:
+        ConfigTypeError: ``wrapper_type`` is not a subclass of ``torch.nn.Module`` or
+            ``factory`` is not callable.
+
+    Example:
+        >>> class Replicated(torch.nn.Module):  # a wrapper that never communicates
+        ...     pass
+        >>> register_sync_strategy(Replicated, lambda model, policy: LocalSync())
+    """
+    if not (isinstance(wrapper_type, type) and issubclass(wrapper_type, nn.Module)):
+        msg = f"wrapper_type must be a torch.nn.Module subclass, got {describe(wrapper_type)}"
+        raise ConfigTypeError(msg)
+    if not callable(factory):
+        msg = f"factory must be callable as factory(model, policy), got {describe(factory)}"
+        raise ConfigTypeError(msg)
+    _registry.pop(wrapper_type, None)
+    _registry[wrapper_type] = factory
+
+
+def _builtin() -> dict[type, StrategyFactory]:
+    """The wrappers torch ships, imported only once a model may contain one."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    return {
+        DistributedDataParallel: _ddp,
+        FullyShardedDataParallel: _fsdp1,
+        FSDPModule: _fully_shard,
+    }
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -46,39 +267,66 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-_SYNC_METHODS = ("no_sync", "set_requires_gradient_sync")
-
-
-def _distributed_wrapper(model: nn.Module) -> str | None:
-    """The class name of the first module in ``model`` that communicates gradients.
-
-    Duck-typed, so that detection imports nothing: DDP and FSDP1 have ``no_sync``,
-    ``fully_shard`` modules have ``set_requires_gradient_sync``.
-    """
-    for module in model.modules():
-        if any(callable(getattr(module, name, None)) for name in _SYNC_METHODS):
-            return type(module).__name__
-    return None
-
-
-def strategy_for(model: nn.Module) -> SyncStrategy:
+def strategy_for(model: nn.Module, policy: SyncPolicy = "auto") -> SyncStrategy:
     """Detect how ``model`` is wrapped, through ``torch.compile``, and return its strategy.
 
+    The outermost module of a registered or built-in wrapper type decides. A module of
+    another type with its own ``no_sync()`` is deferred through it like DDP, with a
+    warning (once per type, on rank 0).
+
     Raises:
-        ConfigTypeError: ``model`` communicates gradients itself (DDP, FSDP,
-            ``fully_shard``, or any module with a ``no_sync`` method); this release
-            accumulates on unwrapped modules only.
+        ConfigError: The wrapping cannot defer as ``policy`` asks (DDP with
+            ``static_graph=True``).
     """
-    wrapper = _distributed_wrapper(unwrap(model))
-    if wrapper is not None:
-        msg = (
-            f"model contains a {wrapper}, which communicates gradients; this release of "
-            "gradaccum accumulates on unwrapped modules only (DDP, FSDP and fully_shard "
-            "support is planned). Pass the unwrapped module, or accumulate by hand with "
-            "the wrapper's own no_sync()"
-        )
-        raise ConfigTypeError(msg)
+    model = unwrap(model)
+    modules = list(model.modules())
+    communicates = any(
+        callable(getattr(module, name, None))
+        for module in modules
+        for name in ("no_sync", "set_requires_gradient_sync")
+    )
+    builtin = _builtin() if communicates and dist.is_available() else {}
+    for factories in (_registry, builtin):
+        for module in modules:
+            for wrapper_type, factory in reversed(factories.items()):
+                if isinstance(module, wrapper_type):
+                    return factory(model, policy)
+    for module in modules:
+        if callable(getattr(module, "no_sync", None)):
+            _warn_unknown(type(module))
+            group = _world() if dist.is_available() and dist.is_initialized() else None
+            return NoSyncContext(module, defer=policy != "every", group=group)
     return LocalSync()
+
+
+def _warn_unknown(wrapper_type: type) -> None:
+    if wrapper_type in _warned:
+        return
+    _warned.add(wrapper_type)
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
+    warnings.warn(
+        f"model contains a {wrapper_type.__name__}, which gradaccum does not know; its "
+        "no_sync() is held open on deferred microsteps, as for DDP. Register a strategy "
+        "with gradaccum.register_sync_strategy() to silence this",
+        GradaccumWarning,
+        stacklevel=3,
+    )
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip to ``max_norm`` by the total norm of the full gradient, without host sync.
+
+    Gradients may be DTensors (``fully_shard``): their norm is reduced over the mesh, so
+    the returned 0-dim tensor is the full norm, the same on every rank.
+    """
+    grads = [param.grad for param in params if param.grad is not None]
+    total = nn.utils.get_total_norm(grads)
+    full_tensor = getattr(total, "full_tensor", None)
+    if full_tensor is not None:
+        total = full_tensor()
+    nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
 
 
 @contextmanager
@@ -87,14 +335,15 @@ def no_sync(model: nn.Module) -> Iterator[None]:
 
     Use it around both the forward and the backward of a non-boundary microstep;
     the state found on entry is restored on exit. An unwrapped module has nothing
-    to sync, so the block is a no-op.
+    to sync, so the block is a no-op. Under ``fully_shard`` (and HSDP) neither the
+    reduce-scatter nor the all-reduce runs, so unsharded gradients are held.
 
     Example:
         >>> model = torch.nn.Linear(2, 1)
         >>> with no_sync(model):
         ...     model(torch.ones(1, 2)).sum().backward()
     """
-    strategy = strategy_for(model)
+    strategy = strategy_for(model, "boundary")
     strategy.arm(False)
     try:
         yield

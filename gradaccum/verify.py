@@ -22,8 +22,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gradaccum.accumulator import Accumulator, SyncPolicy
+from gradaccum.accumulator import Accumulator
 from gradaccum.schedule import check_steps, total_steps
+from gradaccum.sync import SyncPolicy
 
 __all__ = ["OpCounter", "Row", "main", "run_single_process"]
 

@@ -32,6 +32,7 @@ def test_exports_are_pinned() -> None:
         "add_arguments",
         "interval",
         "no_sync",
+        "register_sync_strategy",
         "steps_per_epoch",
         "total_steps",
     ]

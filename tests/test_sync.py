@@ -1,17 +1,27 @@
-"""Wrapping detection through torch.compile, gradaccum.no_sync, and refusal of real wrappers."""
+"""Wrapping detection through torch.compile, gradaccum.no_sync, unknown and registered wrappers."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import gradaccum
-from gradaccum.sync import LocalSync, strategy_for, unwrap
-from tests.helpers import make_batches, make_model, mean_loss
+from gradaccum.sync import (
+    FSDP1Sync,
+    FullyShardSync,
+    LocalSync,
+    NoSyncContext,
+    strategy_for,
+    unwrap,
+)
+from tests.helpers import make_batches, make_model, mean_loss, sgd
 
 
 def test_compile_wrappers_are_seen_through() -> None:
@@ -47,22 +57,122 @@ def process_group(tmp_path: Path) -> Iterator[None]:
 
 
 @pytest.mark.usefixtures("process_group")
-def test_ddp_and_fully_shard_are_refused_until_supported() -> None:
-    """DDP, compile(DDP) and fully_shard models are refused by name at construction."""
+def test_wrappings_are_detected_through_compile() -> None:
+    """DDP (also inside torch.compile), FSDP1 and fully_shard each get their strategy."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
     ddp = DistributedDataParallel(make_model())
     sharded = make_model()
     fully_shard(sharded, mesh=init_device_mesh("cpu", (1,)))
-    for model, name in (
-        (ddp, "DistributedDataParallel"),
-        (torch.compile(ddp), "DistributedDataParallel"),
-        (sharded, "FSDPSequential"),
+    fsdp1 = FullyShardedDataParallel(make_model(), device_id=torch.device("cpu"))
+    for model, strategy in (
+        (ddp, NoSyncContext),
+        (torch.compile(ddp), NoSyncContext),
+        (fsdp1, FSDP1Sync),
+        (sharded, FullyShardSync),
+        (torch.compile(sharded), FullyShardSync),
     ):
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        with pytest.raises(gradaccum.ConfigTypeError, match=f"{name}.*unwrapped modules only"):
-            gradaccum.Accumulator(model, optimizer)
-        with pytest.raises(gradaccum.ConfigTypeError, match=name):
-            gradaccum.no_sync(model).__enter__()
+        assert type(strategy_for(model)) is strategy
+        assert strategy_for(model).group is not None
+
+
+@pytest.mark.usefixtures("process_group")
+def test_ddp_static_graph_is_refused_when_deferring() -> None:
+    """static_graph=True cannot skip its first all-reduce: refused, unless nothing defers."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(make_model(), static_graph=True)
+    for sync in ("auto", "boundary"):
+        with pytest.raises(gradaccum.ConfigError, match=r"static_graph=True.*sync='every'"):
+            gradaccum.Accumulator(ddp, sgd(ddp), steps=2, sync=sync)
+    for steps, sync in ((2, "every"), (1, "auto")):
+        acc = gradaccum.Accumulator(ddp, sgd(ddp), steps=steps, sync=sync)
+        for batch in acc.epoch(make_batches([2] * 4)):
+            with acc.microstep(mean_loss(ddp, batch)):
+                pass
+        assert acc.global_step == 4 // steps
+        acc.close()
+
+
+class Wrapper(nn.Module):
+    """A wrapper gradaccum does not know, with its own no_sync(); records what forward saw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = make_model()
+        self.syncing = True
+        self.seen: list[bool] = []
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        before, self.syncing = self.syncing, False
+        try:
+            yield
+        finally:
+            self.syncing = before
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(self.syncing)
+        return self.inner(x)  # type: ignore[no-any-return]
+
+
+def test_an_unknown_wrapper_with_no_sync_is_used_with_one_warning() -> None:
+    """Its no_sync() is held over the forwards of deferred microsteps; warned once per type."""
+    models = [Wrapper(), Wrapper()]
+    with pytest.warns(gradaccum.GradaccumWarning, match="Wrapper, which gradaccum does not know"):
+        accs = [gradaccum.Accumulator(models[0], sgd(models[0]), steps=3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        accs.append(gradaccum.Accumulator(models[1], sgd(models[1]), steps=3))
+    for model, acc in zip(models, accs, strict=True):
+        for batch in acc.epoch(make_batches([2] * 6)):
+            with acc.microstep(mean_loss(model, batch)):
+                pass
+        acc.close()
+        assert model.seen == [False, False, True] * 2
+        assert model.syncing
+
+
+def test_a_registered_strategy_is_used_for_its_type() -> None:
+    """register_sync_strategy: the factory gets the unwrapped model and the policy."""
+
+    class Custom(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = make_model()
+
+        def no_sync(self) -> None: ...  # would otherwise be used with a warning
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x)  # type: ignore[no-any-return]
+
+    calls: list[object] = []
+
+    class Recording(LocalSync):
+        def arm(self, sync: bool) -> None:
+            calls.append(sync)
+
+        def restore(self) -> None:
+            calls.append("restore")
+
+    def factory(model: nn.Module, policy: gradaccum.SyncPolicy) -> gradaccum.SyncStrategy:
+        calls.append((type(model).__name__, policy))
+        return Recording()
+
+    gradaccum.register_sync_strategy(Custom, factory)
+    model = Custom()
+    with gradaccum.Accumulator(torch.compile(model), sgd(model), steps=2, sync="boundary") as acc:
+        for batch in acc.epoch(make_batches([2] * 2)):
+            with acc.microstep(mean_loss(model, batch)):
+                pass
+    assert calls == [("Custom", "boundary"), False, True, False, "restore"]
+
+
+def test_register_sync_strategy_refuses_bad_arguments() -> None:
+    """Only a Module subclass and a callable factory are accepted, named in the message."""
+    with pytest.raises(gradaccum.ConfigTypeError, match=r"wrapper_type must be .* got 3 \(int\)"):
+        gradaccum.register_sync_strategy(3, lambda model, policy: LocalSync())  # type: ignore[arg-type]
+    with pytest.raises(gradaccum.ConfigTypeError, match="factory must be callable"):
+        gradaccum.register_sync_strategy(nn.Linear, None)  # type: ignore[arg-type]

@@ -99,18 +99,3 @@ def test_microstep_refuses_bad_arguments_before_backward(
         assert fragment in str(caught.value)
     assert all(p.grad is None for p in MODEL.parameters())
     acc.close()
-
-
-def test_distributed_wrappers_are_refused_not_half_supported() -> None:
-    """A module with its own gradient communication is refused with a way forward."""
-
-    class Wrapper(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.inner = make_model()
-
-        def no_sync(self) -> None: ...
-
-    wrapped = Wrapper()
-    with pytest.raises(gradaccum.ConfigTypeError, match=r"Wrapper.*unwrapped modules only"):
-        gradaccum.Accumulator(wrapped, torch.optim.SGD(wrapped.parameters(), lr=0.1))

@@ -1,0 +1,168 @@
+"""Real gloo ranks: every wrapping against the float64 big-batch reference, and the
+collectives each sync policy runs per window, counted at the dispatcher."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import distributed
+from tests.distributed import UNITS, Training, launch, rank_batches, run, train
+from tests.helpers import Batch, concat, make_model, mean_loss, reference_sgd, windows_of
+
+TOL = 1e-10
+EQUAL = [[2] * 13] * 4  # 13 microbatches of 2 rows on each of up to 4 ranks: 3 windows of 4
+
+
+def global_windows(
+    sizes: list[list[int]], world: int, steps: int = 4, drop_last: bool = True
+) -> list[list[Batch]]:
+    """Window i of the whole job: window i of every rank, as one big batch."""
+    per_rank = [windows_of(rank_batches(r, sizes[r]), steps, drop_last) for r in range(world)]
+    return [list(itertools.chain(*windows)) for windows in zip(*per_rank, strict=True)]
+
+
+def assert_matches_reference(trainings: list[Training], windows: list[list[Batch]]) -> None:
+    expected = list(reference_sgd(make_model(), windows, lr=0.1).parameters())
+    for training in trainings:
+        assert training.global_step == len(windows)
+        for got, want in zip(training.params, expected, strict=True):
+            assert (got - want).abs().max().item() < TOL
+
+
+def per_window(trainings: list[Training], name: str, windows: int) -> set[float]:
+    """``c10d::<name>`` ops per window, as the set of what the ranks saw."""
+    return {t.collectives.get(f"c10d::{name}", 0) / windows for t in trainings}
+
+
+@pytest.mark.parametrize(
+    ("kind", "world"),
+    [
+        ("ddp", 2),
+        ("fsdp1", 2),
+        ("fully_shard", 2),
+        ("hsdp", 4),
+        ("compile_ddp", 2),
+        ("ddp_compile", 2),
+    ],
+)
+@pytest.mark.parametrize("sync", ["auto", "boundary", "every"])
+def test_every_wrapping_equals_the_big_batch_reference(
+    kind: str, world: int, sync: str, tmp_path: Path
+) -> None:
+    """steps=4 over 13 microbatches per rank, different data per rank: within 1e-10."""
+    trainings = run(train, world, tmp_path, kind, EQUAL, sync=sync)
+    assert_matches_reference(trainings, global_windows(EQUAL, world))
+
+
+@pytest.mark.parametrize(
+    ("kind", "sync", "expected"),
+    [
+        # DDP: one all-reduce round (one bucket here) per window unless "every".
+        ("ddp", "auto", {"allreduce_": 1}),
+        ("ddp", "boundary", {"allreduce_": 1}),
+        ("ddp", "every", {"allreduce_": 4}),
+        # find_unused_parameters adds the all-reduce of the unused-parameter map.
+        ("ddp_unused", "auto", {"allreduce_": 2}),
+        ("compile_ddp", "auto", {"allreduce_": 1}),
+        ("ddp_compile", "auto", {"allreduce_": 1}),
+        # FSDP1 and fully_shard reduce every microstep unless told "boundary".
+        ("fsdp1", "auto", {"_reduce_scatter_base_": 4}),
+        ("fsdp1", "boundary", {"_reduce_scatter_base_": 1}),
+        ("fully_shard", "auto", {"_reduce_scatter_base_": 4 * UNITS, "allreduce_": 0}),
+        ("fully_shard", "boundary", {"_reduce_scatter_base_": UNITS, "allreduce_": 0}),
+        ("fully_shard", "every", {"_reduce_scatter_base_": 4 * UNITS, "allreduce_": 0}),
+    ],
+)
+def test_collectives_per_window(
+    kind: str, sync: str, expected: dict[str, float], tmp_path: Path
+) -> None:
+    """Counted at the dispatcher on every rank: what each policy costs per window."""
+    trainings = run(train, 2, tmp_path, kind, EQUAL, sync=sync)
+    for name, per in expected.items():
+        assert per_window(trainings, name, 3) == {per}, name
+
+
+def test_hsdp_all_reduces_once_per_window_under_auto(tmp_path: Path) -> None:
+    """2x2 mesh: reduce-scatter every microstep, all-reduce across replicas on the boundary."""
+    for sync, scatters, reduces in (("auto", 4, 1), ("boundary", 1, 1), ("every", 4, 4)):
+        trainings = run(train, 4, tmp_path, "hsdp", EQUAL, sync=sync)
+        assert per_window(trainings, "_reduce_scatter_base_", 3) == {scatters * UNITS}, sync
+        assert per_window(trainings, "allreduce_", 3) == {reduces * UNITS}, sync
+        assert_matches_reference(trainings, global_windows(EQUAL, 4))
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fully_shard"])
+def test_partial_window_syncs_on_its_last_microstep(kind: str, tmp_path: Path) -> None:
+    """drop_last=False: 13 = 4+4+4+1, the last window of one microstep synced and exact."""
+    trainings = run(train, 2, tmp_path, kind, EQUAL, sync="boundary", drop_last=False)
+    assert_matches_reference(trainings, global_windows(EQUAL, 2, drop_last=False))
+    name = "allreduce_" if kind == "ddp" else "_reduce_scatter_base_"
+    assert per_window(trainings, name, 4) == {1 if kind == "ddp" else UNITS}
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp1", "fully_shard", "hsdp"])
+def test_num_items_is_the_item_mean_over_the_global_window(kind: str, tmp_path: Path) -> None:
+    """Different token counts on every rank and microbatch: one scalar all-reduce per window."""
+    world = 4 if kind == "hsdp" else 2
+    sizes = [[1 + (3 * i + 5 * r) % 6 for i in range(13)] for r in range(world)]
+    trainings = run(train, world, tmp_path, kind, sizes, items=True)
+    assert_matches_reference(trainings, global_windows(sizes, world))
+    if kind == "ddp":
+        assert per_window(trainings, "allreduce_", 3) == {2}  # the gradient and the items
+
+
+def test_clipping_under_fully_shard_uses_the_full_norm(tmp_path: Path) -> None:
+    """DTensor gradients: grad_norm is the whole gradient's norm, equal on both ranks,
+    and no host synchronization happens in the whole epoch."""
+    trainings = run(train, 2, tmp_path, "fully_shard", EQUAL, max_grad_norm=float("inf"))
+    reference = make_model()
+    params = list(reference.parameters())
+    expected = []
+    for window in global_windows(EQUAL, 2):
+        grads = torch.autograd.grad(mean_loss(reference, concat(window)), params)
+        expected.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+        with torch.no_grad():
+            for param, grad in zip(params, grads, strict=True):
+                param -= 0.1 * grad
+    for training in trainings:
+        assert training.host_syncs == 0
+        assert len(training.grad_norms) == 3
+        for got, want in zip(training.grad_norms, expected, strict=True):
+            assert got.dim() == 0
+            assert type(got) is torch.Tensor
+            assert abs(got.item() - want.item()) < TOL
+    assert_matches_reference(trainings, global_windows(EQUAL, 2))
+
+
+def test_ranks_with_different_lengths_agree_and_finish(tmp_path: Path) -> None:
+    """13 and 9 microbatches: both train on 9 (two windows), with one warning on rank 0."""
+    sizes = [[2] * 13, [2] * 9]
+    trainings = run(train, 2, tmp_path, "ddp", sizes)
+    assert [len(t.warnings) for t in trainings] == [1, 0]
+    assert "between 9 and 13 microbatches" in trainings[0].warnings[0]
+    short = [sizes[0][:9], sizes[1]]
+    assert_matches_reference(trainings, global_windows(short, 2))
+
+
+def test_a_failing_rank_makes_the_others_fail_not_hang(tmp_path: Path) -> None:
+    """Rank 1 raises mid-window; rank 0 errors at its boundary all-reduce well within time."""
+    started = time.monotonic()
+    outcomes = launch(distributed.fail_mid_window, 2, tmp_path)
+    assert outcomes[1].error is not None
+    assert "fails on purpose" in outcomes[1].error
+    assert outcomes[0].error is not None
+    assert time.monotonic() - started < distributed.DEADLINE
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fully_shard"])
+def test_flags_are_restored_on_close(kind: str, tmp_path: Path) -> None:
+    """Deferring sets the module's flags; close() and no_sync() put back what they found."""
+    first, deferring, closed, inside, after = run(distributed.restore_flags, 2, tmp_path, kind)[0]
+    assert closed == after == first
+    assert deferring != first
+    assert inside != first
