@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence, Sized
 from typing import Any, NoReturn, TypeVar, get_args
 
 import torch
@@ -102,13 +102,16 @@ class Accumulator:
             per window. A disabled scaler is the same as none.
         drop_last: In `epoch`, skip each epoch's trailing microbatches that do not fill
             a window; when False they form one shorter window, scaled by its length.
-        sync: When a wrapped model communicates gradients: ``"auto"``, ``"boundary"``
-            or ``"every"``. An unwrapped module never communicates, so all three agree.
+        sync: When a wrapped model communicates gradients. ``"auto"`` defers to the
+            boundary where that costs no memory (DDP; HSDP's all-reduce) and reduces
+            every microstep where deferring would hold unsharded gradients (FSDP1,
+            ``fully_shard``); ``"boundary"`` always defers; ``"every"`` never does. An
+            unwrapped module never communicates, so all three agree.
 
     Raises:
-        ConfigTypeError: An argument has the wrong type, or ``model`` is wrapped in a
-            module that communicates gradients (not supported by this release).
-        ConfigError: An argument has a value outside what is accepted.
+        ConfigTypeError: An argument has the wrong type.
+        ConfigError: An argument has a value outside what is accepted, or the model's
+            wrapping cannot defer as ``sync`` asks (DDP with ``static_graph=True``).
 
     Example:
         >>> model = torch.nn.Linear(3, 1)
@@ -397,18 +400,15 @@ class Accumulator:
             raise UsageError(msg)
         n = _length(iterable)
         planned = None
-        if self._ranks > 1:
-            if n is None:
-                msg = (
-                    f"epoch() got an iterable without len() ({type(iterable).__name__}) on "
-                    f"{self._ranks} ranks, which cannot agree on where the epoch ends; pass "
-                    "a sized iterable, e.g. a DataLoader over a map-style dataset with a "
-                    "DistributedSampler"
+        if n is not None and self._ranks > 1:
+            n, most = self._agree(n)
+            if most > n:
+                self._warn_unequal(
+                    f"the ranks' epochs have between {n} and {most} microbatches; every rank "
+                    f"trains on the first {n}"
                 )
-                raise ConfigError(msg)
-            n = self._agree_on_length(n)
         if n is not None:
-            self._check_epoch_length(n, known=True)
+            self._check_epoch_length(n, discarded=False)
             planned = steps_per_epoch(n, self._steps) * self._steps if self._drop_last else n
             if self._resume_at > planned:
                 msg = (
@@ -418,23 +418,23 @@ class Accumulator:
                 raise ConfigError(msg)
         return self._epoch(iterable, planned)
 
-    def _agree_on_length(self, n: int) -> int:
-        """The shortest epoch over the ranks (one all-reduce), so that none waits forever."""
+    def _agree(self, n: int) -> tuple[int, int]:
+        """The least and the most of ``n`` over the ranks: one all-reduce, read on the host."""
         ends = torch.tensor([n, -n], device=self._params[0].device)
         dist.all_reduce(ends, op=dist.ReduceOp.MIN, group=self._group)
-        shortest, longest = ends[0].item(), -ends[1].item()
-        if shortest != longest and not self._warned_lengths:
-            self._warned_lengths = True
-            if dist.get_rank() == 0:
-                warnings.warn(
-                    f"the ranks' epochs have between {shortest} and {longest} microbatches; "
-                    f"every rank trains on the first {shortest}, so that no rank waits on a "
-                    "collective the others never call. Shard the data evenly (e.g. "
-                    "DistributedSampler) to train on all of it",
-                    GradaccumWarning,
-                    stacklevel=3,
-                )
-        return int(shortest)
+        least, negated_most = ends.tolist()
+        return int(least), -int(negated_most)
+
+    def _warn_unequal(self, what: str) -> None:
+        """Warn once, on rank 0, that ranks had different amounts of data."""
+        if not self._warned_lengths and dist.get_rank() == 0:
+            warnings.warn(
+                f"{what}, so that no rank waits on a collective the others never call; "
+                "shard the data evenly (e.g. DistributedSampler) to train on all of it",
+                GradaccumWarning,
+                stacklevel=4,
+            )
+        self._warned_lengths = True
 
     def _epoch(self, iterable: Iterable[T], planned: int | None) -> Iterator[T]:
         if self._pos > 0:
@@ -461,16 +461,10 @@ class Accumulator:
             if seen < planned:
                 msg = f"the iterable ended after {seen} items; its len() promised {planned}"
                 raise ConfigError(msg)
+        elif self._ranks > 1:
+            seen = yield from self._agreed_windows(iterator, seen)
         else:
-            held: tuple[T] | None = None
-            for item in iterator:
-                if held is not None:
-                    self._hand_out(seen := seen + 1, None)
-                    yield held[0]
-                held = (item,)
-            if held is not None:
-                self._hand_out(seen := seen + 1, 0)
-                yield held[0]
+            seen = yield from self._look_ahead(iterator, seen)
         self._position = 0
         if self._pos > 0:
             if planned is not None or not self._drop_last:
@@ -482,7 +476,39 @@ class Accumulator:
                 )
             self._discard_window()
         if planned is None:
-            self._check_epoch_length(seen, known=False)
+            self._check_epoch_length(seen, discarded=self._ranks == 1)
+
+    def _look_ahead(self, iterator: Iterator[T], seen: int) -> Generator[T, None, int]:
+        """An unsized epoch on one rank: one item ahead, so the last one is a boundary."""
+        held: tuple[T] | None = None
+        for item in iterator:
+            if held is not None:
+                self._hand_out(seen := seen + 1, None)
+                yield held[0]
+            held = (item,)
+        if held is not None:
+            self._hand_out(seen := seen + 1, 0)
+            yield held[0]
+        return seen
+
+    def _agreed_windows(self, iterator: Iterator[T], seen: int) -> Generator[T, None, int]:
+        """An unsized epoch on several ranks: each window's items are drawn first, and the
+        ranks agree on its length (one all-reduce per window), so none waits forever."""
+        while True:
+            window = list(itertools.islice(iterator, self._steps))
+            count, most = self._agree(len(window))
+            if most > count:
+                self._warn_unequal(
+                    "the ranks' iterables ended at different points; every rank stops "
+                    "where the shortest did"
+                )
+            if count == 0 or (count < self._steps and self._drop_last):
+                return seen + count
+            for offset, item in enumerate(window[:count]):
+                self._hand_out(seen := seen + 1, count - offset - 1)
+                yield item
+            if count < self._steps:
+                return seen
 
     def _hand_out(self, position: int, remaining: int | None) -> None:
         """Size the window and arm its sync before a microbatch reaches the user's forward.
@@ -500,7 +526,7 @@ class Accumulator:
             self._size = self._pos + 1  # the epoch's last microbatch closes the window
         self._arm()
 
-    def _check_epoch_length(self, n: int, *, known: bool) -> None:
+    def _check_epoch_length(self, n: int, *, discarded: bool) -> None:
         """The guard: an epoch that gives no optimizer step is a configuration error."""
         if total_steps(n, self._steps, 1, self._drop_last) > 0:
             return
@@ -511,7 +537,7 @@ class Accumulator:
                 f"an epoch of {n} microbatches gives no optimizer step with steps={self._steps} "
                 f"and drop_last=True; lower steps to at most {n}, or pass drop_last=False"
             )
-        if not known:
+        if discarded:
             msg += " (its gradient was discarded)"
         raise ConfigError(msg)
 

@@ -1,24 +1,32 @@
 """``python -m gradaccum verify``: the equivalence, cadence and communication table here.
 
-Each row trains a small float64 model over 13 microbatches with the `Accumulator` and
-checks, at every boundary, the accumulated gradient against an independent reference
-(one big batch of the window's microbatches through a copy of the model). It counts
-optimizer and scheduler steps, collectives (``c10d`` ops seen by the dispatcher) per
-window for each sync policy, and host synchronizations on non-boundary microsteps.
+Each row trains a small float64 model over 13 microbatches per rank, with different data
+on every rank, and checks at every boundary the accumulated gradient against an
+independent reference: one big batch of every rank's window through an unwrapped copy
+of the model. It counts optimizer and scheduler steps, collectives (``c10d`` ops seen by
+the dispatcher) per window for each sync policy, gradient reductions that ran on
+deferred microsteps under ``sync="boundary"``, and host synchronizations off the boundary.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import io
 import json
+import multiprocessing
+import os
 import sys
+import tempfile
+import time
+import traceback
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from typing import Any, get_args
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -26,11 +34,20 @@ from gradaccum.accumulator import Accumulator
 from gradaccum.schedule import check_steps, total_steps
 from gradaccum.sync import SyncPolicy
 
-__all__ = ["OpCounter", "Row", "main", "run_single_process"]
+__all__ = ["OpCounter", "Outcome", "Row", "launch", "main", "run_distributed", "run_single_process"]
 
 MICROBATCHES = 13
 TOLERANCE = 1e-10
 _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional"})
+_REDUCTIONS = frozenset({"allreduce_", "_reduce_scatter_base_", "reduce_scatter_"})
+_SHORT = {  # the table's abbreviations of the c10d ops
+    "allreduce_": "ar",
+    "_reduce_scatter_base_": "rs",
+    "reduce_scatter_": "rs",
+    "_allgather_base_": "ag",
+    "allgather_": "ag",
+    "broadcast_": "bc",
+}
 
 
 class OpCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves it untyped
@@ -72,17 +89,128 @@ class Row:
     expected_steps: int
     max_abs_diff: float
     host_syncs_off_boundary: int
+    deferred_reductions: int = 0
     collectives_per_window: dict[str, dict[str, float]] = field(default_factory=dict)
     peak_memory_bytes: int | None = None
 
     @property
     def ok(self) -> bool:
-        """Cadence, numerics and the no-sync promise all hold."""
+        """Cadence, numerics, deferral and the no-host-sync promise all hold."""
         return (
             self.optimizer_steps == self.scheduler_steps == self.expected_steps
             and self.max_abs_diff <= TOLERANCE
             and self.host_syncs_off_boundary == 0
+            and self.deferred_reductions == 0
         )
+
+
+# Launching ranks ---------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    """What one rank returned, or the traceback it died with."""
+
+    rank: int
+    value: Any = None
+    error: str | None = None
+
+
+def launch(
+    scenario: Callable[..., Any],
+    world: int,
+    args: Sequence[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    backend: str = "gloo",
+    timeout: float = 60.0,
+) -> list[Outcome]:
+    """Run ``scenario(rank, world, *args, **kwargs)`` on ``world`` local ranks.
+
+    Ranks are forked from a server that has imported torch once and joined through a
+    ``FileStore`` in a fresh directory. A rank's collectives time out after ``timeout``
+    seconds; a rank that has not answered by twice that is killed. Every rank's result
+    or traceback comes back, so a failure or a hang is reported, never waited on.
+    """
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", scenario.__module__])
+    answers = context.SimpleQueue()
+    deadline = time.monotonic() + 2 * timeout
+    with tempfile.TemporaryDirectory(prefix="gradaccum-") as directory:
+        processes = [
+            context.Process(
+                target=_rank_main,
+                args=(scenario, rank, world, backend, timeout, directory, args, kwargs, answers),
+            )
+            for rank in range(world)
+        ]
+        for process in processes:
+            process.start()
+        outcomes: dict[int, Outcome] = {}
+        while len(outcomes) < world and time.monotonic() < deadline:
+            if not answers.empty():
+                outcome = answers.get()
+                outcomes[outcome.rank] = outcome
+            elif any(process.is_alive() for process in processes):
+                time.sleep(0.01)
+            elif answers.empty():
+                break
+        for process in processes:
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+                process.join()
+    for rank, process in enumerate(processes):
+        if rank not in outcomes:
+            error = f"rank {rank} gave no answer (exit code {process.exitcode})"
+            outcomes[rank] = Outcome(rank, error=error)
+    return [outcomes[rank] for rank in range(world)]
+
+
+def results(outcomes: list[Outcome]) -> list[Any]:
+    """Every rank's return value; raises with every rank's traceback if one failed."""
+    errors = [f"--- rank {o.rank} ---\n{o.error}" for o in outcomes if o.error is not None]
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    # The payloads come from the ranks this process launched.
+    return [torch.load(io.BytesIO(o.value), weights_only=False) for o in outcomes]
+
+
+def _rank_main(
+    scenario: Callable[..., Any],
+    rank: int,
+    world: int,
+    backend: str,
+    timeout: float,
+    directory: str,
+    args: Sequence[Any],
+    kwargs: dict[str, Any] | None,
+    answers: Any,
+) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo")
+    torch.set_num_threads(1)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(
+            backend,
+            store=dist.FileStore(os.path.join(directory, "store"), world),  # type: ignore[attr-defined]
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=timeout),
+        )
+        buffer = io.BytesIO()
+        torch.save(scenario(rank, world, *args, **(kwargs or {})), buffer)
+        answers.put(Outcome(rank, value=buffer.getvalue()))
+    except BaseException:
+        answers.put(Outcome(rank, error=traceback.format_exc()))
+        os._exit(1)  # leave at once: a broken group may hang in its teardown
+    dist.destroy_process_group()
+
+
+# One epoch, measured ------------------------------------------------------------------
+
+Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 def _model(device: torch.device) -> nn.Module:
@@ -90,8 +218,8 @@ def _model(device: torch.device) -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).to(device, torch.float64)
 
 
-def _data(device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(1000)
+def _data(device: torch.device, rank: int) -> list[Batch]:
+    generator = torch.Generator().manual_seed(1000 + rank)
     return [
         (
             torch.randn(4, 8, generator=generator, dtype=torch.float64).to(device),
@@ -101,16 +229,23 @@ def _data(device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def _loss(model: nn.Module, batch: Batch) -> torch.Tensor:
     inputs, targets = batch
     return nn.functional.mse_loss(model(inputs), targets)
 
 
-def _reference_grads(
-    model: nn.Module, window: list[tuple[torch.Tensor, torch.Tensor]]
-) -> list[torch.Tensor]:
-    """The gradient of one big batch made of the window's microbatches."""
-    twin = copy.deepcopy(model)
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on every rank, also for a DTensor shard."""
+    full_tensor = getattr(tensor, "full_tensor", None)
+    return full_tensor() if full_tensor is not None else tensor
+
+
+def _reference_grads(model: nn.Module, window: list[Batch]) -> list[torch.Tensor]:
+    """The gradient of one big batch of the window (every rank's) at ``model``'s weights."""
+    twin = _model(_full(next(model.parameters())).device)
+    with torch.no_grad():
+        for mine, theirs in zip(twin.parameters(), model.parameters(), strict=True):
+            mine.copy_(_full(theirs))
     big = (torch.cat([x for x, _ in window]), torch.cat([y for _, y in window]))
     return list(torch.autograd.grad(_loss(twin, big), list(twin.parameters())))
 
@@ -122,12 +257,20 @@ class _Epoch:
     windows: int = 0
     max_abs_diff: float = 0.0
     host_syncs_off_boundary: int = 0
+    deferred_reductions: int = 0
     collectives: Counter[str] = field(default_factory=Counter)
 
 
-def _train(steps: int, sync: SyncPolicy, device: torch.device) -> _Epoch:
-    """Train one epoch of the design-card loop and measure it."""
-    model = _model(device)
+def _train(
+    steps: int,
+    sync: SyncPolicy,
+    device: torch.device,
+    wrap: Callable[[nn.Module], nn.Module],
+    world: int = 1,
+    rank: int = 0,
+) -> _Epoch:
+    """Train one epoch of the design-card loop on this rank and measure it."""
+    model = wrap(_model(device))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     result = _Epoch()
@@ -137,18 +280,23 @@ def _train(steps: int, sync: SyncPolicy, device: torch.device) -> _Epoch:
 
     optimizer.register_step_post_hook(count_step)
     counter = OpCounter()
-    window: list[tuple[torch.Tensor, torch.Tensor]] = []
+    everyone = [_data(device, r) for r in range(world)]
+    window: list[Batch] = []
     with Accumulator(model, optimizer, scheduler, steps=steps, sync=sync) as acc:
-        for batch in acc.epoch(_data(device)):
-            window.append(batch)
+        for index, batch in enumerate(acc.epoch(everyone[rank])):
+            window.extend(data[index] for data in everyone)
             reference = _reference_grads(model, window) if acc.sync_gradients else []
-            syncs = counter.host_syncs
+            syncs, reductions = counter.host_syncs, _reductions(counter)
             with counter:
                 loss = _loss(model, batch)
                 with acc.microstep(loss) as step:
-                    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+                    seen = counter.collectives.copy()
+                    grads = [_full(p.grad) for p in model.parameters() if p.grad is not None]
+                    counter.collectives = seen  # gathering them for the check is not training
             if not step.boundary:
                 result.host_syncs_off_boundary += counter.host_syncs - syncs
+                if sync == "boundary":
+                    result.deferred_reductions += _reductions(counter) - reductions
                 continue
             for grad, ref in zip(grads, reference, strict=True):
                 result.max_abs_diff = max(result.max_abs_diff, (grad - ref).abs().max().item())
@@ -159,11 +307,34 @@ def _train(steps: int, sync: SyncPolicy, device: torch.device) -> _Epoch:
     return result
 
 
-def run_single_process(steps: int, device: torch.device) -> Row:
-    """The single-process row: every sync policy trains the same epoch."""
+def _per_window(collectives: Counter[str], windows: int) -> dict[str, float]:
+    """Collectives per window by kind, abbreviated as in the table."""
+    counts: Counter[str] = Counter()
+    for name, n in collectives.items():
+        op = name.split("::")[-1]
+        counts[_SHORT.get(op, op)] += n
+    return {kind: n / windows for kind, n in sorted(counts.items())}
+
+
+def _reductions(counter: OpCounter) -> int:
+    return sum(n for name, n in counter.collectives.items() if name.split("::")[-1] in _REDUCTIONS)
+
+
+def _row(
+    path: str,
+    launch: str,
+    steps: int,
+    wrap: Callable[[nn.Module], nn.Module],
+    device: torch.device,
+    world: int = 1,
+    rank: int = 0,
+) -> Row:
+    """Every sync policy trains the same epoch; the row reports the worst of them."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    epochs = {policy: _train(steps, policy, device) for policy in get_args(SyncPolicy)}
+    epochs = {
+        policy: _train(steps, policy, device, wrap, world, rank) for policy in get_args(SyncPolicy)
+    }
     runs = list(epochs.values())
     expected = total_steps(MICROBATCHES, steps)
 
@@ -172,8 +343,8 @@ def run_single_process(steps: int, device: torch.device) -> Row:
         return max(counts, key=lambda count: abs(count - expected))
 
     return Row(
-        path="single-process",
-        launch="python",
+        path=path,
+        launch=launch,
         steps=steps,
         microbatches=MICROBATCHES,
         optimizer_steps=worst([run.optimizer_steps for run in runs]),
@@ -181,9 +352,9 @@ def run_single_process(steps: int, device: torch.device) -> Row:
         expected_steps=expected,
         max_abs_diff=max(run.max_abs_diff for run in runs),
         host_syncs_off_boundary=max(run.host_syncs_off_boundary for run in runs),
+        deferred_reductions=max(run.deferred_reductions for run in runs),
         collectives_per_window={
-            policy: {name: n / run.windows for name, n in run.collectives.items()}
-            for policy, run in epochs.items()
+            policy: _per_window(run.collectives, run.windows) for policy, run in epochs.items()
         },
         peak_memory_bytes=(
             torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
@@ -191,13 +362,80 @@ def run_single_process(steps: int, device: torch.device) -> Row:
     )
 
 
+def run_single_process(steps: int, device: torch.device) -> Row:
+    """The single-process row: a plain module, nothing to communicate."""
+    return _row("single-process", "python", steps, lambda model: model, device)
+
+
+# Distributed rows ---------------------------------------------------------------------
+
+PATHS = ("DDP", "fully_shard", "HSDP")
+
+
+def _wrap(path: str, device: torch.device) -> Callable[[nn.Module], nn.Module]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    world = dist.get_world_size()
+    if path == "DDP":
+        return DistributedDataParallel
+    if path == "fully_shard":
+        mesh = init_device_mesh(device.type, (world,))
+    else:
+        mesh = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("replicate", "shard"))
+
+    def shard(model: nn.Module) -> nn.Module:
+        for layer in model.modules():
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    return shard
+
+
+def _rank_rows(rank: int, world: int, path: str, steps: list[int], launch: str) -> list[Row]:
+    device = torch.device(f"cuda:{rank}") if dist.get_backend() == "nccl" else torch.device("cpu")
+    wrap = _wrap(path, device)
+    return [_row(path, launch, n, wrap, device, world, rank) for n in steps]
+
+
+def run_distributed(path: str, nproc: int, steps: list[int], backend: str = "gloo") -> list[Row]:
+    """``path`` (DDP, fully_shard or HSDP) on ``nproc`` local ranks: one row per ``steps``.
+
+    Each rank checks its own gradients; a row takes the worst rank.
+    """
+    launch_name = f"{nproc} ranks, {backend}"
+    per_rank = results(launch(_rank_rows, nproc, (path, steps, launch_name), backend=backend))
+    rows = []
+    for ranks in zip(*per_rank, strict=True):
+        row = ranks[0]
+        for other in ranks[1:]:
+            row.max_abs_diff = max(row.max_abs_diff, other.max_abs_diff)
+            row.host_syncs_off_boundary = max(
+                row.host_syncs_off_boundary, other.host_syncs_off_boundary
+            )
+            row.deferred_reductions = max(row.deferred_reductions, other.deferred_reductions)
+            if (other.optimizer_steps, other.scheduler_steps) != (
+                row.optimizer_steps,
+                row.scheduler_steps,
+            ):
+                row.optimizer_steps = -1  # ranks disagree: the row fails
+        rows.append(row)
+    return rows
+
+
+# The table ----------------------------------------------------------------------------
+
+
 def _collectives(per_policy: dict[str, dict[str, float]]) -> str:
-    """``auto|boundary|every`` counts per window, e.g. ``0|0|0`` or ``1 allreduce_|...``."""
+    """Counts per window for ``auto | boundary | every``, e.g. ``1 ar | 1 ar | 4 ar``."""
 
     def one(counts: dict[str, float]) -> str:
-        return "+".join(f"{n:g} {name}" for name, n in sorted(counts.items())) or "0"
+        return " + ".join(f"{n:.3g} {name}" for name, n in counts.items()) or "0"
 
-    return "|".join(one(per_policy[policy]) for policy in get_args(SyncPolicy))
+    return " | ".join(one(per_policy[policy]) for policy in get_args(SyncPolicy))
 
 
 def _print_table(rows: list[Row], device: torch.device) -> None:
@@ -210,7 +448,8 @@ def _print_table(rows: list[Row], device: torch.device) -> None:
             "opt/sched steps",
             "max |grad - ref|",
             "host syncs",
-            "collectives/window auto|boundary|every",
+            "deferred reductions",
+            "collectives/window auto | boundary | every",
             "peak memory",
             "result",
         )
@@ -225,6 +464,7 @@ def _print_table(rows: list[Row], device: torch.device) -> None:
                 f"{row.optimizer_steps}/{row.scheduler_steps} of {row.expected_steps}",
                 f"{row.max_abs_diff:.1e}",
                 str(row.host_syncs_off_boundary),
+                str(row.deferred_reductions),
                 _collectives(row.collectives_per_window),
                 memory,
                 "ok" if row.ok else "FAIL",
@@ -233,6 +473,11 @@ def _print_table(rows: list[Row], device: torch.device) -> None:
     widths = [max(len(cell) for cell in column) for column in zip(*lines, strict=True)]
     for line in lines:
         print("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)))
+    print(
+        "collectives: ar all-reduce, rs reduce-scatter, ag all-gather, bc broadcast (DDP's "
+        "one-time bucket rebuild), averaged over the epoch's windows. deferred reductions: "
+        'ar/rs on non-boundary microsteps under sync="boundary" (must be 0)'
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -242,16 +487,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--device",
         default="cuda" if torch.cuda.is_available() else "cpu",
-        help="device for the single-process path (default: cuda if available, else cpu)",
+        help="device type (default: cuda if available, else cpu); the distributed rows use "
+        "NCCL when it is cuda with at least --nproc GPUs, else gloo on cpu",
     )
+    parser.add_argument(
+        "--nproc", type=int, default=2, help="ranks for DDP and fully_shard (default 2)"
+    )
+    parser.add_argument("--hsdp", action="store_true", help="add HSDP on a 2 x 2 mesh (4 ranks)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args(argv)
     try:
         steps = check_steps(args.steps, "--steps")
+        nproc = check_steps(args.nproc, "--nproc")
     except ValueError as error:
         parser.error(str(error))
     device = torch.device(args.device)
-    rows = [run_single_process(n, device) for n in sorted({1, steps})]
+    settings = sorted({1, steps})
+    rows = [run_single_process(n, device) for n in settings]
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    launches = [("DDP", nproc), ("fully_shard", nproc)] + ([("HSDP", 4)] if args.hsdp else [])
+    for path, ranks in launches:
+        if ranks > 1:
+            backend = "nccl" if gpus >= ranks else "gloo"
+            rows += run_distributed(path, ranks, settings, backend)
     if args.json:
         print(json.dumps([asdict(row) | {"ok": row.ok} for row in rows], indent=2))
     else:

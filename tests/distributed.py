@@ -1,18 +1,10 @@
-"""Real multi-process runs on gloo: a launcher that collects every rank's outcome, and
-the scenarios the ranks run (importable by the children, hence a module of its own)."""
+"""What the gloo ranks of the distributed tests run (a module the ranks can import)."""
 
 from __future__ import annotations
 
-import io
-import multiprocessing
-import os
-import time
-import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,105 +12,17 @@ import torch.distributed as dist
 from torch import nn
 
 import gradaccum
-from gradaccum.verify import OpCounter
+from gradaccum.verify import OpCounter, launch, results
 from tests.helpers import Batch, make_batches, make_model, mean_loss, sum_loss
 
-PROCESS_GROUP_TIMEOUT = timedelta(seconds=15)
-DEADLINE = 120.0  # seconds for a whole launch; a hang fails the test, it never stalls CI
+PROCESS_GROUP_TIMEOUT = 15.0  # seconds: a rank stuck in a collective fails fast
 
 
-@dataclass
-class Outcome:
-    """What one rank returned, or the traceback it died with."""
+def run(scenario: Callable[..., Any], world: int, *args: Any, **kwargs: Any) -> list[Any]:
+    """``scenario(rank, world, *args, **kwargs)`` on real gloo ranks; every rank's result,
+    or an error carrying every rank's traceback."""
+    return results(launch(scenario, world, args, kwargs, timeout=PROCESS_GROUP_TIMEOUT))
 
-    rank: int
-    value: Any = None
-    error: str | None = None
-    seconds: float = 0.0
-
-
-def launch(
-    scenario: Callable[..., Any], world: int, tmp_path: Path, *args: Any, **kwargs: Any
-) -> list[Outcome]:
-    """Run ``scenario(rank, world, *args, **kwargs)`` on ``world`` gloo ranks; one Outcome per rank.
-
-    Ranks are forked from a server that has imported torch once. A rank that has not
-    answered by the deadline is killed and reported as such, with every other rank's
-    traceback, so a hang is a failure with evidence, not a stalled run.
-    """
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "tests.distributed"])
-    answers = context.SimpleQueue()
-    store = str(tmp_path / f"store-{time.monotonic_ns()}")
-    processes = [
-        context.Process(
-            target=_rank_main, args=(scenario, rank, world, store, args, kwargs, answers)
-        )
-        for rank in range(world)
-    ]
-    started = time.monotonic()
-    for process in processes:
-        process.start()
-    outcomes: dict[int, Outcome] = {}
-    while len(outcomes) < world and time.monotonic() - started < DEADLINE:
-        if not answers.empty():
-            outcome = answers.get()
-            outcomes[outcome.rank] = outcome
-        elif all(not p.is_alive() for p in processes) and answers.empty():
-            break
-        else:
-            time.sleep(0.02)
-    for process in processes:
-        process.join(timeout=max(0.1, DEADLINE - (time.monotonic() - started)))
-        if process.is_alive():
-            process.kill()
-            process.join()
-    for rank in range(world):
-        if rank not in outcomes:
-            code = processes[rank].exitcode
-            outcomes[rank] = Outcome(rank, error=f"rank {rank} gave no answer (exit code {code})")
-    return [outcomes[rank] for rank in range(world)]
-
-
-def run(
-    scenario: Callable[..., Any], world: int, tmp_path: Path, *args: Any, **kwargs: Any
-) -> list[Any]:
-    """`launch`, and fail with every rank's traceback unless all ranks succeeded."""
-    outcomes = launch(scenario, world, tmp_path, *args, **kwargs)
-    errors = [f"--- rank {o.rank} ---\n{o.error}" for o in outcomes if o.error is not None]
-    if errors:
-        raise AssertionError("\n".join(errors))
-    return [torch.load(io.BytesIO(o.value), weights_only=False) for o in outcomes]  # our own ranks
-
-
-def _rank_main(
-    scenario: Callable[..., Any],
-    rank: int,
-    world: int,
-    store_path: str,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    answers: Any,
-) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo")
-    torch.set_num_threads(1)
-    started = time.monotonic()
-    try:
-        store = dist.FileStore(store_path, world)
-        dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world, timeout=PROCESS_GROUP_TIMEOUT
-        )
-        value = scenario(rank, world, *args, **kwargs)
-        buffer = io.BytesIO()
-        torch.save(value, buffer)
-        answers.put(Outcome(rank, value=buffer.getvalue(), seconds=time.monotonic() - started))
-    except BaseException:
-        answers.put(Outcome(rank, error=traceback.format_exc(), seconds=time.monotonic() - started))
-        os._exit(1)  # leave at once: a broken group may hang in teardown
-    dist.destroy_process_group()
-
-
-# What the ranks run ------------------------------------------------------------------
 
 UNITS = 2  # fully_shard units of make_model(): its two Linear layers
 
@@ -193,6 +97,7 @@ def train(
     items: bool = False,
     drop_last: bool = True,
     max_grad_norm: float | None = None,
+    unsized: bool = False,
 ) -> Training:
     """One epoch of the design-card loop on ``sizes[rank]``; collectives counted."""
     model = wrap(kind, make_model())
@@ -202,18 +107,19 @@ def train(
     )
     counter = OpCounter()
     norms = []
+    batches = rank_batches(rank, sizes[rank])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", gradaccum.GradaccumWarning)
-        epoch = acc.epoch(rank_batches(rank, sizes[rank]))
-    with counter:
-        for batch in epoch:
-            if items:
-                microstep = acc.microstep(sum_loss(model, batch), num_items=len(batch[0]))
-            else:
-                microstep = acc.microstep(mean_loss(model, batch))
-            with microstep as step:
-                if step.boundary and step.grad_norm is not None:
-                    norms.append(step.grad_norm.clone())
+        epoch = acc.epoch(iter(batches) if unsized else batches)
+        with counter:
+            for batch in epoch:
+                if items:
+                    microstep = acc.microstep(sum_loss(model, batch), num_items=len(batch[0]))
+                else:
+                    microstep = acc.microstep(mean_loss(model, batch))
+                with microstep as step:
+                    if step.boundary and step.grad_norm is not None:
+                        norms.append(step.grad_norm.clone())
     acc.close()
     return Training(
         params=full_params(model, kind),

@@ -13,22 +13,40 @@ from gradaccum import verify
 
 
 def test_verify_passes_and_prints_json() -> None:
-    """The main job, as a user runs it, exits 0 with one passing row per steps setting."""
+    """The main job, as a user runs it: single-process, DDP x2 and fully_shard x2 rows,
+    steps 1 and 4, all passing, with the collectives each policy costs per window."""
     result = subprocess.run(
         [sys.executable, "-m", "gradaccum", "verify", "--json", "--steps", "4"],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=180,
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    rows = json.loads(result.stdout)
-    assert [(r["steps"], r["optimizer_steps"], r["expected_steps"]) for r in rows] == [
-        (1, 13, 13),
-        (4, 3, 3),
+    rows = {(r["path"], r["steps"]): r for r in json.loads(result.stdout)}
+    assert sorted(rows) == [
+        ("DDP", 1),
+        ("DDP", 4),
+        ("fully_shard", 1),
+        ("fully_shard", 4),
+        ("single-process", 1),
+        ("single-process", 4),
     ]
-    assert all(r["ok"] and r["max_abs_diff"] <= verify.TOLERANCE for r in rows)
-    assert rows[1]["collectives_per_window"] == {"auto": {}, "boundary": {}, "every": {}}
+    for (_, steps), row in rows.items():
+        assert row["ok"]
+        assert row["max_abs_diff"] <= verify.TOLERANCE
+        assert (row["optimizer_steps"], row["expected_steps"]) == (
+            (13, 13) if steps == 1 else (3, 3)
+        )
+    assert rows["single-process", 4]["collectives_per_window"] == {
+        "auto": {},
+        "boundary": {},
+        "every": {},
+    }
+    ddp = rows["DDP", 4]["collectives_per_window"]
+    assert [ddp[policy]["ar"] for policy in ("auto", "boundary", "every")] == [1, 1, 4]
+    sharded = rows["fully_shard", 4]["collectives_per_window"]
+    assert [sharded[policy]["rs"] for policy in ("auto", "boundary", "every")] == [8, 2, 8]
 
 
 def test_a_wrong_row_fails() -> None:
@@ -39,6 +57,7 @@ def test_a_wrong_row_fails() -> None:
         ("optimizer_steps", 4),
         ("max_abs_diff", 1e-6),
         ("host_syncs_off_boundary", 1),
+        ("deferred_reductions", 1),
     ):
         broken = verify.Row(**(vars(row) | {field: bad}))
         assert not broken.ok
@@ -53,3 +72,7 @@ def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
         main(["verify", "--steps", "0"])
     assert caught.value.code == 2
     assert "--steps" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as caught:
+        main(["verify", "--nproc", "0"])
+    assert caught.value.code == 2
+    assert "--nproc" in capsys.readouterr().err
