@@ -389,6 +389,12 @@ class Accumulator:
         With ``drop_last=False`` the trailing microbatches form one shorter window.
         After `load_state_dict` the first epoch skips the microbatches already trained.
 
+        When the model's gradients are averaged over several ranks, the ranks agree on
+        the epoch's length first (one all-reduce) and all train on the shortest; an
+        iterable without ``len`` is drawn a window at a time and each window's length
+        agreed (one all-reduce per window), so no rank waits on a collective that
+        another never calls. Unequal lengths warn once, on rank 0.
+
         Raises:
             ConfigError: The epoch has too few microbatches for one optimizer step (for
                 an iterable without ``len`` this is known only at its end), or a loaded

@@ -27,6 +27,18 @@ def run(scenario: Callable[..., Any], world: int, *args: Any, **kwargs: Any) -> 
 UNITS = 2  # fully_shard units of make_model(): its two Linear layers
 
 
+class PartlyUsed(nn.Module):
+    """``body``, and a layer the forward never uses (what find_unused_parameters is for)."""
+
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body = body
+        self.unused = nn.Linear(5, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)  # type: ignore[no-any-return]
+
+
 def wrap(kind: str, model: nn.Module) -> nn.Module:
     """``model`` wrapped as ``kind``; compiled variants use the aot_eager backend (no C++)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -36,7 +48,7 @@ def wrap(kind: str, model: nn.Module) -> nn.Module:
     if kind == "ddp":
         return DistributedDataParallel(model)
     if kind == "ddp_unused":
-        return DistributedDataParallel(model, find_unused_parameters=True)
+        return DistributedDataParallel(PartlyUsed(model), find_unused_parameters=True)
     if kind == "compile_ddp":
         return torch.compile(DistributedDataParallel(model), backend="aot_eager")  # type: ignore[return-value]
     if kind == "ddp_compile":

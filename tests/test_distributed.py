@@ -62,6 +62,19 @@ def test_every_wrapping_equals_the_big_batch_reference(kind: str, world: int, sy
     assert_matches_reference(trainings, global_windows(EQUAL, world))
 
 
+@pytest.mark.parametrize("sync", ["auto", "boundary", "every"])
+def test_ddp_with_find_unused_parameters_defers_exactly(sync: str) -> None:
+    """find_unused_parameters=True with a layer never used: exact, the layer untouched."""
+    trainings = run(train, 2, "ddp_unused", EQUAL, sync=sync)
+    untouched = list(distributed.PartlyUsed(make_model()).unused.parameters())
+    for training in trainings:
+        used, unused = training.params[:-2], training.params[-2:]
+        training.params = used
+        for got, want in zip(unused, untouched, strict=True):
+            assert torch.equal(got, want)
+    assert_matches_reference(trainings, global_windows(EQUAL, 2))
+
+
 @pytest.mark.parametrize(
     ("kind", "sync", "expected"),
     [
@@ -69,8 +82,10 @@ def test_every_wrapping_equals_the_big_batch_reference(kind: str, world: int, sy
         ("ddp", "auto", {"allreduce_": 1}),
         ("ddp", "boundary", {"allreduce_": 1}),
         ("ddp", "every", {"allreduce_": 4}),
-        # find_unused_parameters adds the all-reduce of the unused-parameter map.
-        ("ddp_unused", "auto", {"allreduce_": 2}),
+        # find_unused_parameters: a synced backward all-reduces the unused-parameter map
+        # and two buckets (the unused layer's is reduced too); deferring leaves one per window.
+        ("ddp_unused", "auto", {"allreduce_": 3}),
+        ("ddp_unused", "every", {"allreduce_": 12}),
         ("compile_ddp", "auto", {"allreduce_": 1}),
         ("ddp_compile", "auto", {"allreduce_": 1}),
         # FSDP1 and fully_shard reduce every microstep unless told "boundary".
