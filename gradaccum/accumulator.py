@@ -297,7 +297,8 @@ class Accumulator:
         if self._by_items:
             divisor = sum(self._items, start=0)
             if self._ranks > 1:
-                # Sum the items over ranks, and undo the wrapper's 1/ranks averaging.
+                # Sum the items over ranks, and undo the wrapper's 1/ranks averaging. A copy:
+                # `divisor` stays this rank's count, for step.loss.
                 total = torch.as_tensor(divisor, device=self._params[0].device).clone()
                 dist.all_reduce(total, group=self._group)
                 _scale_grads(self._params, total / self._ranks, divide=True)

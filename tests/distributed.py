@@ -96,6 +96,7 @@ class Training:
     host_syncs: int
     grad_norms: list[torch.Tensor] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    loss_error: float = 0.0  # step.loss against this rank's own window loss
 
 
 def train(
@@ -119,17 +120,21 @@ def train(
     )
     counter = OpCounter()
     norms = []
+    window: list[tuple[torch.Tensor, int]] = []  # this rank's losses and item counts
+    losses = []  # (step.loss, this rank's own window loss), compared after counting
     batches = rank_batches(rank, sizes[rank])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", gradaccum.GradaccumWarning)
         epoch = acc.epoch(iter(batches) if unsized else batches)
         with counter:
             for batch in epoch:
-                if items:
-                    microstep = acc.microstep(sum_loss(model, batch), num_items=len(batch[0]))
-                else:
-                    microstep = acc.microstep(mean_loss(model, batch))
-                with microstep as step:
+                loss = sum_loss(model, batch) if items else mean_loss(model, batch)
+                window.append((loss.detach(), len(batch[0]) if items else 1))
+                with acc.microstep(loss, num_items=window[-1][1] if items else None) as step:
+                    if step.boundary:
+                        mine = sum(loss for loss, _ in window) / sum(n for _, n in window)
+                        losses.append((step.loss, mine))
+                        window = []
                     if step.boundary and step.grad_norm is not None:
                         norms.append(step.grad_norm.clone())
     acc.close()
@@ -140,6 +145,7 @@ def train(
         host_syncs=counter.host_syncs,
         grad_norms=norms,
         warnings=[str(w.message) for w in caught],
+        loss_error=max(abs(float(got - want)) for got, want in losses),
     )
 
 

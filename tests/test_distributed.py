@@ -128,6 +128,7 @@ def test_num_items_is_the_item_mean_over_the_global_window(kind: str) -> None:
     sizes = [[1 + (3 * i + 5 * r) % 6 for i in range(13)] for r in range(world)]
     trainings = run(train, world, kind, sizes, items=True)
     assert_matches_reference(trainings, global_windows(sizes, world))
+    assert all(t.loss_error < TOL for t in trainings)  # step.loss is this rank's item-mean
     if kind == "ddp":
         assert per_window(trainings, "allreduce_", 3) == {2}  # the gradient and the items
 
