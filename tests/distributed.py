@@ -81,9 +81,9 @@ def full_params(model: nn.Module, kind: str) -> list[torch.Tensor]:
     ]
 
 
-def rank_batches(rank: int, sizes: list[int]) -> list[Batch]:
+def rank_batches(rank: int, sizes: list[int], dtype: torch.dtype = torch.float64) -> list[Batch]:
     """Rank ``rank``'s microbatches: different data on every rank."""
-    return make_batches(sizes, seed=100 + rank)
+    return make_batches(sizes, seed=100 + rank, dtype=dtype)
 
 
 @dataclass
@@ -111,9 +111,10 @@ def train(
     drop_last: bool = True,
     max_grad_norm: float | None = None,
     unsized: bool = False,
+    dtype: torch.dtype = torch.float64,
 ) -> Training:
     """One epoch of the design-card loop on ``sizes[rank]``; collectives counted."""
-    model = wrap(kind, make_model())
+    model = wrap(kind, make_model(dtype=dtype))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     acc = gradaccum.Accumulator(
         model, optimizer, steps=steps, sync=sync, drop_last=drop_last, max_grad_norm=max_grad_norm
@@ -122,7 +123,7 @@ def train(
     norms = []
     window: list[tuple[torch.Tensor, int]] = []  # this rank's losses and item counts
     losses = []  # (step.loss, this rank's own window loss), compared after counting
-    batches = rank_batches(rank, sizes[rank])
+    batches = rank_batches(rank, sizes[rank], dtype)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", gradaccum.GradaccumWarning)
         epoch = acc.epoch(iter(batches) if unsized else batches)
