@@ -223,9 +223,11 @@ _warned: set[type] = set()
 def register_sync_strategy(wrapper_type: type[nn.Module], factory: StrategyFactory) -> None:
     """Use ``factory`` for models that contain a ``wrapper_type`` module.
 
-    Registered types are matched before the built-in ones, the latest first; the
-    factory gets the model (unwrapped from ``torch.compile``) and the ``sync`` policy,
-    and returns a `SyncStrategy`.
+    The outermost wrapper in the model decides (see `strategy_for`); a module of a
+    registered type is matched before the built-in types, the latest registration
+    first, so registering a built-in type replaces its strategy. The factory gets the
+    model (unwrapped from ``torch.compile``) and the ``sync`` policy, and returns a
+    `SyncStrategy`.
 
     Raises:
         ConfigTypeError: ``wrapper_type`` is not a subclass of ``torch.nn.Module`` or
@@ -270,9 +272,10 @@ def unwrap(model: nn.Module) -> nn.Module:
 def strategy_for(model: nn.Module, policy: SyncPolicy = "auto") -> SyncStrategy:
     """Detect how ``model`` is wrapped, through ``torch.compile``, and return its strategy.
 
-    The outermost module of a registered or built-in wrapper type decides. A module of
-    another type with its own ``no_sync()`` is deferred through it like DDP, with a
-    warning (once per type, on rank 0).
+    The outermost module that is a wrapper decides: a registered type (the latest
+    registration first), then DDP, FSDP1 or ``fully_shard``, then any module with its
+    own ``no_sync()``, which is deferred through like DDP, with a warning (once per
+    type, on rank 0). A model with none of them is local.
 
     Raises:
         ConfigError: The wrapping cannot defer as ``policy`` asks (DDP with
@@ -286,12 +289,11 @@ def strategy_for(model: nn.Module, policy: SyncPolicy = "auto") -> SyncStrategy:
         for name in ("no_sync", "set_requires_gradient_sync")
     )
     builtin = _builtin() if communicates and dist.is_available() else {}
-    for factories in (_registry, builtin):
-        for module in modules:
-            for wrapper_type, factory in reversed(factories.items()):
-                if isinstance(module, wrapper_type):
-                    return factory(model, policy)
+    known = [*reversed(_registry.items()), *builtin.items()]
     for module in modules:
+        for wrapper_type, factory in known:
+            if isinstance(module, wrapper_type):
+                return factory(model, policy)
         if callable(getattr(module, "no_sync", None)):
             _warn_unknown(type(module))
             group = _world() if dist.is_available() and dist.is_initialized() else None
