@@ -14,6 +14,7 @@ from torch import nn
 from gradaccum.errors import ConfigError, ConfigTypeError, GradaccumWarning, describe
 
 __all__ = [
+    "DDPSync",
     "FSDP1Sync",
     "FullyShardSync",
     "LocalSync",
@@ -68,8 +69,32 @@ class LocalSync:
         """Nothing was changed."""
 
 
+class DDPSync:
+    """DDP: sets ``require_backward_grad_sync``, which DDP reads in its forward.
+
+    The flag is set to what each microstep needs rather than toggled by ``no_sync()``,
+    so a state left behind by someone else (an open ``no_sync()``, an accumulator that
+    was never closed) cannot keep a boundary from all-reducing.
+    """
+
+    def __init__(self, ddp: Any, *, defer: bool) -> None:
+        self._ddp = ddp
+        self._defer = defer
+        self.group: dist.ProcessGroup | None = ddp.process_group
+        self._found: bool = ddp.require_backward_grad_sync
+
+    def arm(self, sync: bool) -> None:
+        """All-reduce in the next backward unless it is deferred."""
+        self._ddp.require_backward_grad_sync = sync or not self._defer
+
+    def restore(self) -> None:
+        """Put back the flag as it was found."""
+        self._ddp.require_backward_grad_sync = self._found
+
+
 class NoSyncContext:
-    """A wrapper with a ``no_sync()`` context manager (DDP, FSDP1): held open while deferring.
+    """A wrapper with a ``no_sync()`` context manager (FSDP1, unknown types): held open
+    while deferring.
 
     The wrapper's own context manager sets and restores its state, so whatever the
     model's flags were before, they are exactly what `restore` leaves.
@@ -187,7 +212,7 @@ def _ddp(model: nn.Module, policy: SyncPolicy) -> SyncStrategy:
             "sync='every', or build DDP without static_graph=True"
         )
         raise ConfigError(msg)
-    return NoSyncContext(ddp, defer=defer, group=ddp.process_group)
+    return DDPSync(ddp, defer=defer)
 
 
 class FSDP1Sync(NoSyncContext):

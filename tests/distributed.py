@@ -150,6 +150,26 @@ def train(
     )
 
 
+def after_an_unclosed_accumulator(
+    rank: int, world: int, kind: str, sync: gradaccum.SyncPolicy
+) -> tuple[dict[str, int], list[torch.Tensor]]:
+    """Two epochs, each with a new accumulator on the same model; the first is never
+    closed, so it leaves the model deferring. The second epoch's collectives, and the
+    parameters after both."""
+    model = wrap(kind, make_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = rank_batches(rank, [2] * 8)
+    for _ in range(2):
+        acc = gradaccum.Accumulator(model, optimizer, steps=4, sync=sync)
+        epoch = acc.epoch(batches)
+        counter = OpCounter()
+        with counter:
+            for batch in epoch:
+                with acc.microstep(mean_loss(model, batch)):
+                    pass
+    return dict(counter.collectives), full_params(model, kind)
+
+
 def fail_mid_window(rank: int, world: int) -> None:
     """Rank 1 raises in its second microstep; the others reach the boundary all-reduce."""
     model = wrap("ddp", make_model())

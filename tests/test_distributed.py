@@ -206,6 +206,20 @@ def test_a_failing_rank_makes_the_others_fail_not_hang() -> None:
     assert time.monotonic() - started < 2 * distributed.PROCESS_GROUP_TIMEOUT
 
 
+@pytest.mark.parametrize(("kind", "sync"), [("ddp", "auto"), ("fully_shard", "boundary")])
+def test_an_unclosed_accumulator_cannot_stop_the_next_from_reducing(kind: str, sync: str) -> None:
+    """The first accumulator leaves the model deferring; the second still reduces once per
+    window, and both epochs train exactly."""
+    outcomes = run(distributed.after_an_unclosed_accumulator, 2, kind, sync)
+    windows = global_windows([[2] * 8] * 2, 2)
+    name, per = ("allreduce_", 1) if kind == "ddp" else ("_reduce_scatter_base_", UNITS)
+    expected = list(reference_sgd(make_model(), windows * 2, lr=0.1).parameters())
+    for collectives, params in outcomes:
+        assert collectives.get(f"c10d::{name}", 0) == per * len(windows)
+        for got, want in zip(params, expected, strict=True):
+            assert (got - want).abs().max().item() < TOL
+
+
 @pytest.mark.parametrize("kind", ["ddp", "fully_shard"])
 def test_flags_are_restored_on_close(kind: str) -> None:
     """Deferring sets the module's flags; close() and no_sync() put back what they found."""

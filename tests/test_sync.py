@@ -14,10 +14,10 @@ from torch import nn
 
 import gradaccum
 from gradaccum.sync import (
+    DDPSync,
     FSDP1Sync,
     FullyShardSync,
     LocalSync,
-    NoSyncContext,
     strategy_for,
     unwrap,
 )
@@ -68,8 +68,8 @@ def test_wrappings_are_detected_through_compile() -> None:
     fully_shard(sharded, mesh=init_device_mesh("cpu", (1,)))
     fsdp1 = FullyShardedDataParallel(make_model(), device_id=torch.device("cpu"))
     for model, strategy in (
-        (ddp, NoSyncContext),
-        (torch.compile(ddp), NoSyncContext),
+        (ddp, DDPSync),
+        (torch.compile(ddp), DDPSync),
         (fsdp1, FSDP1Sync),
         (sharded, FullyShardSync),
         (torch.compile(sharded), FullyShardSync),
