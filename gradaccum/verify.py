@@ -4,8 +4,8 @@ Each row trains a small float64 model over 13 microbatches per rank, with differ
 on every rank, and checks at every boundary the accumulated gradient against an
 independent reference: one big batch of every rank's window through an unwrapped copy
 of the model. It counts optimizer and scheduler steps, collectives (``c10d`` ops seen by
-the dispatcher) per window for each sync policy, gradient reductions that ran on
-deferred microsteps under ``sync="boundary"``, and host synchronizations off the boundary.
+the dispatcher) per window for each sync policy, reductions that ran on deferred
+microsteps although the policy defers them, and host synchronizations off the boundary.
 """
 
 from __future__ import annotations
@@ -39,7 +39,13 @@ __all__ = ["OpCounter", "Outcome", "Row", "launch", "main", "run_distributed", "
 MICROBATCHES = 13
 TOLERANCE = 1e-10
 _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional"})
-_REDUCTIONS = frozenset({"allreduce_", "_reduce_scatter_base_", "reduce_scatter_"})
+# What each policy must not run on a deferred microstep, under every wrapping here: no
+# all-reduce unless "every" (DDP, HSDP's replicas), no reduce-scatter under "boundary".
+_DEFERRED: dict[str, frozenset[str]] = {
+    "auto": frozenset({"allreduce_"}),
+    "boundary": frozenset({"allreduce_", "_reduce_scatter_base_", "reduce_scatter_"}),
+    "every": frozenset(),
+}
 _SHORT = {  # the table's abbreviations of the c10d ops
     "allreduce_": "ar",
     "_reduce_scatter_base_": "rs",
@@ -286,7 +292,7 @@ def _train(
         for index, batch in enumerate(acc.epoch(everyone[rank])):
             window.extend(data[index] for data in everyone)
             reference = _reference_grads(model, window) if acc.sync_gradients else []
-            syncs, reductions = counter.host_syncs, _reductions(counter)
+            syncs, reductions = counter.host_syncs, _reductions(counter, sync)
             with counter:
                 loss = _loss(model, batch)
                 with acc.microstep(loss) as step:
@@ -295,8 +301,7 @@ def _train(
                     counter.collectives = seen  # gathering them for the check is not training
             if not step.boundary:
                 result.host_syncs_off_boundary += counter.host_syncs - syncs
-                if sync == "boundary":
-                    result.deferred_reductions += _reductions(counter) - reductions
+                result.deferred_reductions += _reductions(counter, sync) - reductions
                 continue
             for grad, ref in zip(grads, reference, strict=True):
                 result.max_abs_diff = max(result.max_abs_diff, (grad - ref).abs().max().item())
@@ -316,8 +321,10 @@ def _per_window(collectives: Counter[str], windows: int) -> dict[str, float]:
     return {kind: n / windows for kind, n in sorted(counts.items())}
 
 
-def _reductions(counter: OpCounter) -> int:
-    return sum(n for name, n in counter.collectives.items() if name.split("::")[-1] in _REDUCTIONS)
+def _reductions(counter: OpCounter, sync: SyncPolicy) -> int:
+    """The reductions so far that ``sync`` must defer."""
+    ops = _DEFERRED[sync]
+    return sum(n for name, n in counter.collectives.items() if name.split("::")[-1] in ops)
 
 
 def _row(
@@ -476,7 +483,8 @@ def _print_table(rows: list[Row], device: torch.device) -> None:
     print(
         "collectives: ar all-reduce, rs reduce-scatter, ag all-gather, bc broadcast (DDP's "
         "one-time bucket rebuild), averaged over the epoch's windows. deferred reductions: "
-        'ar/rs on non-boundary microsteps under sync="boundary" (must be 0)'
+        'ar under "auto" or "boundary", rs under "boundary", that ran on a non-boundary '
+        "microstep (must be 0)"
     )
 
 

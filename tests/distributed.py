@@ -214,3 +214,20 @@ def restore_flags(rank: int, world: int, kind: str) -> list[Any]:
         seen.append(flags(model))
     seen.append(flags(model))
     return seen
+
+
+def verify_rows_with_late_arming(rank: int, world: int) -> Any:
+    """verify's DDP rows, with the accumulator patched to arm each microstep in its
+    backward, after DDP's forward has already decided: the bug verify must catch."""
+    from gradaccum import verify
+    from gradaccum.accumulator import Accumulator
+
+    enter = Accumulator._enter
+
+    def arm_then_enter(self: Accumulator, *args: Any) -> Any:
+        self._strategy.arm(self.sync_gradients or self._sync == "every")
+        return enter(self, *args)
+
+    Accumulator._arm = lambda self: None  # type: ignore[method-assign]
+    Accumulator._enter = arm_then_enter  # type: ignore[method-assign]
+    return verify._rank_rows(rank, world, "DDP", [4], "late arming")

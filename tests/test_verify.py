@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from gradaccum import verify
+from tests import distributed
+from tests.distributed import run
 
 
 def test_verify_passes_and_prints_json() -> None:
@@ -61,6 +63,15 @@ def test_a_wrong_row_fails() -> None:
     ):
         broken = verify.Row(**(vars(row) | {field: bad}))
         assert not broken.ok
+
+
+def test_verify_catches_arming_after_the_forward() -> None:
+    """Patched to arm in the backward, DDP all-reduces deferred microsteps and skips the
+    boundary's: the row fails on deferred reductions and on the gradient."""
+    for row in run(distributed.verify_rows_with_late_arming, 2)[0]:
+        assert not row.ok
+        assert row.deferred_reductions > 0
+        assert row.max_abs_diff > 1e-3
 
 
 def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
