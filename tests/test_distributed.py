@@ -203,7 +203,9 @@ def test_a_failing_rank_makes_the_others_fail_not_hang() -> None:
     assert outcomes[1].error is not None
     assert "fails on purpose" in outcomes[1].error
     assert outcomes[0].error is not None
-    assert time.monotonic() - started < 2 * distributed.PROCESS_GROUP_TIMEOUT
+    assert "gave no answer" not in outcomes[0].error  # it raised; nobody had to kill it
+    assert "backward" in outcomes[0].error  # in the boundary's all-reduce
+    assert time.monotonic() - started < distributed.PROCESS_GROUP_TIMEOUT
 
 
 @pytest.mark.parametrize(("kind", "sync"), [("ddp", "auto"), ("fully_shard", "boundary")])
