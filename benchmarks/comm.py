@@ -43,13 +43,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel
 
 from gradaccum import Accumulator, SyncPolicy
-from gradaccum.verify import OpCounter, launch, results
+from gradaccum.verify import OpCounter, launch, results, wrapper
 
 WORLD, STEPS, WIDTH, DEPTH = 2, 8, 2048, 6
 TARGET = 2.0
@@ -91,13 +89,7 @@ def _model(kind: str) -> nn.Module:
     torch.manual_seed(0)
     layers = [nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)]
     model = nn.Sequential(*[m for layer in layers for m in (layer, nn.ReLU())][:-1])
-    if kind == "ddp":
-        return DistributedDataParallel(model)
-    mesh = init_device_mesh("cpu", (WORLD,))
-    for layer in layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)  # in place: model is an FSDPModule now
-    return model
+    return wrapper("DDP" if kind == "ddp" else "fully_shard", torch.device("cpu"))(model)
 
 
 def _held_grad_bytes(model: nn.Module) -> int:

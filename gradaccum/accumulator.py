@@ -158,6 +158,7 @@ class Accumulator:
         self._params = _unique_params(optimizer)
         self._group = self._strategy.group
         self._ranks = 1 if self._group is None else dist.get_world_size(self._group)
+        self._device = self._params[0].device  # where the scalar collectives' tensors live
         self._clip = getattr(self._strategy, "clip_grad_norm", clip_grad_norm)
         self._warned_lengths = False
         self._global_step = 0
@@ -299,7 +300,7 @@ class Accumulator:
             if self._ranks > 1:
                 # Sum the items over ranks, and undo the wrapper's 1/ranks averaging. A copy:
                 # `divisor` stays this rank's count, for step.loss.
-                total = torch.as_tensor(divisor, device=self._params[0].device).clone()
+                total = torch.as_tensor(divisor, device=self._device).clone()
                 dist.all_reduce(total, group=self._group)
                 _scale_grads(self._params, total / self._ranks, divide=True)
             elif isinstance(divisor, int) and divisor == 0:
@@ -427,7 +428,7 @@ class Accumulator:
 
     def _agree(self, n: int) -> tuple[int, int]:
         """The least and the most of ``n`` over the ranks: one all-reduce, read on the host."""
-        ends = torch.tensor([n, -n], device=self._params[0].device)
+        ends = torch.tensor([n, -n], device=self._device)
         dist.all_reduce(ends, op=dist.ReduceOp.MIN, group=self._group)
         least, negated_most = ends.tolist()
         return int(least), -int(negated_most)

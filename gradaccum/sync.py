@@ -23,6 +23,7 @@ __all__ = [
     "SyncPolicy",
     "SyncStrategy",
     "clip_grad_norm",
+    "full_tensor",
     "no_sync",
     "register_sync_strategy",
     "strategy_for",
@@ -341,6 +342,12 @@ def _warn_unknown(wrapper_type: type) -> None:
     )
 
 
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on every rank: a DTensor (``fully_shard``) gathered, else itself."""
+    gather = getattr(tensor, "full_tensor", None)
+    return gather() if gather is not None else tensor
+
+
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Clip to ``max_norm`` by the total norm of the full gradient, without host sync.
 
@@ -348,10 +355,7 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     the returned 0-dim tensor is the full norm, the same on every rank.
     """
     grads = [param.grad for param in params if param.grad is not None]
-    total = nn.utils.get_total_norm(grads)
-    full_tensor = getattr(total, "full_tensor", None)
-    if full_tensor is not None:
-        total = full_tensor()
+    total = full_tensor(nn.utils.get_total_norm(grads))
     nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
 

@@ -32,9 +32,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradaccum.accumulator import Accumulator
 from gradaccum.schedule import check_steps, total_steps
-from gradaccum.sync import SyncPolicy
+from gradaccum.sync import SyncPolicy, full_tensor
 
-__all__ = ["OpCounter", "Outcome", "Row", "launch", "main", "run_distributed", "run_single_process"]
+__all__ = [
+    "OpCounter",
+    "Outcome",
+    "Row",
+    "launch",
+    "main",
+    "results",
+    "run_distributed",
+    "run_single_process",
+    "wrapper",
+]
 
 MICROBATCHES = 13
 TOLERANCE = 1e-10
@@ -240,18 +250,12 @@ def _loss(model: nn.Module, batch: Batch) -> torch.Tensor:
     return nn.functional.mse_loss(model(inputs), targets)
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor on every rank, also for a DTensor shard."""
-    full_tensor = getattr(tensor, "full_tensor", None)
-    return full_tensor() if full_tensor is not None else tensor
-
-
 def _reference_grads(model: nn.Module, window: list[Batch]) -> list[torch.Tensor]:
     """The gradient of one big batch of the window (every rank's) at ``model``'s weights."""
-    twin = _model(_full(next(model.parameters())).device)
+    twin = _model(full_tensor(next(model.parameters())).device)
     with torch.no_grad():
         for mine, theirs in zip(twin.parameters(), model.parameters(), strict=True):
-            mine.copy_(_full(theirs))
+            mine.copy_(full_tensor(theirs))
     big = (torch.cat([x for x, _ in window]), torch.cat([y for _, y in window]))
     return list(torch.autograd.grad(_loss(twin, big), list(twin.parameters())))
 
@@ -297,7 +301,7 @@ def _train(
                 loss = _loss(model, batch)
                 with acc.microstep(loss) as step:
                     seen = counter.collectives.copy()
-                    grads = [_full(p.grad) for p in model.parameters() if p.grad is not None]
+                    grads = [full_tensor(p.grad) for p in model.parameters() if p.grad is not None]
                     counter.collectives = seen  # gathering them for the check is not training
             if not step.boundary:
                 result.host_syncs_off_boundary += counter.host_syncs - syncs
@@ -376,10 +380,11 @@ def run_single_process(steps: int, device: torch.device) -> Row:
 
 # Distributed rows ---------------------------------------------------------------------
 
-PATHS = ("DDP", "fully_shard", "HSDP")
 
-
-def _wrap(path: str, device: torch.device) -> Callable[[nn.Module], nn.Module]:
+def wrapper(path: str, device: torch.device) -> Callable[[nn.Module], nn.Module]:
+    """How ``path`` wraps a model on the initialized process group: ``"DDP"``, or
+    ``"fully_shard"`` / ``"HSDP"`` (a 2 x world/2 mesh), sharding each ``nn.Linear``
+    and then the root."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
@@ -404,7 +409,7 @@ def _wrap(path: str, device: torch.device) -> Callable[[nn.Module], nn.Module]:
 
 def _rank_rows(rank: int, world: int, path: str, steps: list[int], launch: str) -> list[Row]:
     device = torch.device(f"cuda:{rank}") if dist.get_backend() == "nccl" else torch.device("cpu")
-    wrap = _wrap(path, device)
+    wrap = wrapper(path, device)
     return [_row(path, launch, n, wrap, device, world, rank) for n in steps]
 
 

@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import gradaccum
-from gradaccum.verify import OpCounter, launch, results
+from gradaccum.sync import full_tensor
+from gradaccum.verify import OpCounter, launch, results, wrapper
 from tests.helpers import Batch, make_batches, make_model, mean_loss, sum_loss
 
 PROCESS_GROUP_TIMEOUT = 30.0  # seconds: a rank stuck in a collective fails, not hangs
@@ -41,8 +41,7 @@ class PartlyUsed(nn.Module):
 
 def wrap(kind: str, model: nn.Module) -> nn.Module:
     """``model`` wrapped as ``kind``; the compiled ones use the default backend, inductor."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+    from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
     if kind == "ddp":
@@ -56,15 +55,9 @@ def wrap(kind: str, model: nn.Module) -> nn.Module:
     if kind == "fsdp1":
         return FullyShardedDataParallel(model, device_id=torch.device("cpu"))
     if kind in ("fully_shard", "hsdp"):
-        world = dist.get_world_size()
-        if kind == "fully_shard":
-            mesh = init_device_mesh("cpu", (world,))
-        else:
-            mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-        for layer in model.modules():
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        return fully_shard(model, mesh=mesh)
+        return wrapper("fully_shard" if kind == "fully_shard" else "HSDP", torch.device("cpu"))(
+            model
+        )
     raise ValueError(kind)
 
 
@@ -75,10 +68,7 @@ def full_params(model: nn.Module, kind: str) -> list[torch.Tensor]:
 
         with FullyShardedDataParallel.summon_full_params(model):
             return [p.detach().clone() for p in model.parameters()]
-    return [
-        p.full_tensor().detach() if hasattr(p, "full_tensor") else p.detach().clone()
-        for p in model.parameters()
-    ]
+    return [full_tensor(p).detach().clone() for p in model.parameters()]
 
 
 def rank_batches(rank: int, sizes: list[int], dtype: torch.dtype = torch.float64) -> list[Batch]:
