@@ -11,6 +11,7 @@ microsteps although the policy defers them, and host synchronizations off the bo
 from __future__ import annotations
 
 import argparse
+import gc
 import io
 import json
 import multiprocessing
@@ -221,6 +222,7 @@ def _rank_main(
     except BaseException:
         answers.put(Outcome(rank, error=traceback.format_exc()))
         os._exit(1)  # leave at once: a broken group may hang in its teardown
+    gc.collect()  # models hold the group in reference cycles; free them before destroying it
     dist.destroy_process_group()
 
 
