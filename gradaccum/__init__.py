@@ -7,9 +7,11 @@ from gradaccum.errors import (
     ConfigTypeError,
     GradaccumError,
     GradaccumWarning,
+    NonFiniteError,
+    RankFailedError,
     UsageError,
 )
-from gradaccum.schedule import interval, steps_per_epoch, total_steps
+from gradaccum.schedule import interval, steps_at_epoch, steps_per_epoch, total_steps
 from gradaccum.sync import SyncPolicy, SyncStrategy, no_sync, register_sync_strategy
 
 __version__ = "0.1.0"
@@ -20,6 +22,8 @@ __all__ = [
     "ConfigTypeError",
     "GradaccumError",
     "GradaccumWarning",
+    "NonFiniteError",
+    "RankFailedError",
     "Step",
     "SyncPolicy",
     "SyncStrategy",
@@ -29,6 +33,7 @@ __all__ = [
     "interval",
     "no_sync",
     "register_sync_strategy",
+    "steps_at_epoch",
     "steps_per_epoch",
     "total_steps",
 ]

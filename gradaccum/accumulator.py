@@ -5,8 +5,9 @@ from __future__ import annotations
 import itertools
 import math
 import warnings
+import weakref
 from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence, Sized
-from typing import Any, NoReturn, TypeVar, get_args
+from typing import Any, NamedTuple, NoReturn, TypeVar, get_args
 
 import torch
 import torch.distributed as dist
@@ -14,14 +15,32 @@ from torch import nn
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 from typing_extensions import Self
 
-from gradaccum.errors import ConfigError, ConfigTypeError, GradaccumWarning, UsageError, describe
-from gradaccum.schedule import check_count, check_steps, steps_per_epoch, total_steps
-from gradaccum.sync import SyncPolicy, clip_grad_norm, strategy_for
+from gradaccum import faults
+from gradaccum.errors import (
+    ConfigError,
+    ConfigTypeError,
+    GradaccumWarning,
+    NonFiniteError,
+    RankFailedError,
+    UsageError,
+    describe,
+)
+from gradaccum.schedule import check_bool, check_count, check_steps, steps_per_epoch, total_steps
+from gradaccum.sync import (
+    DDPSync,
+    SyncPolicy,
+    SyncStrategy,
+    clip_grad_norm,
+    grad_norm,
+    strategy_for,
+)
 
 __all__ = ["Accumulator", "Step"]
 
 T = TypeVar("T")
-_STATE_VERSION = 1
+_END = object()  # an iterator's end, for next()
+_STATE_VERSION = 2
+_NONFINITE = (None, "raise", "skip")
 
 
 class Step:
@@ -35,8 +54,9 @@ class Step:
         grad_norm: The total gradient norm before clipping, a 0-dim tensor; ``None``
             without ``max_grad_norm``.
         lr: The learning rate of the first parameter group for this update.
-        skipped: The GradScaler found inf/NaN gradients and skipped the update (and the
-            scheduler step). Known once the block has exited.
+        skipped: The window was not applied (no optimizer or scheduler step) because
+            its gradient held inf/NaN: known in the block under ``on_nonfinite="skip"``,
+            and once the block has exited when a GradScaler skipped the step.
     """
 
     __slots__ = (
@@ -107,10 +127,17 @@ class Accumulator:
             every microstep where deferring would hold unsharded gradients (FSDP1,
             ``fully_shard``); ``"boundary"`` always defers; ``"every"`` never does. An
             unwrapped module never communicates, so all three agree.
+        on_nonfinite: What a window whose gradient holds inf/NaN does at its boundary:
+            ``None`` (no check, no cost, as plain PyTorch), ``"raise"`` `NonFiniteError`
+            naming the window, or ``"skip"`` the whole window. A check costs one host
+            sync per window, and one scalar all-reduce when several ranks hold the
+            gradients, so that every rank decides the same. With a GradScaler, which
+            skips overflowing windows by design, only ``None`` and ``"skip"`` apply.
 
     Raises:
         ConfigTypeError: An argument has the wrong type.
-        ConfigError: An argument has a value outside what is accepted, or the model's
+        ConfigError: An argument has a value outside what is accepted, the model has
+            no trainable parameter or the optimizer holds none of them, or the model's
             wrapping cannot defer as ``sync`` asks (DDP with ``static_graph=True``).
 
     Example:
@@ -136,42 +163,56 @@ class Accumulator:
         scaler: torch.amp.GradScaler | None = None,
         drop_last: bool = True,
         sync: SyncPolicy = "auto",
+        on_nonfinite: str | None = None,
     ) -> None:
         _check_parts(model, optimizer, scheduler)
         self._steps = check_steps(steps)
         self._max_grad_norm = _check_max_grad_norm(max_grad_norm)
         self._scaler = _check_scaler(scaler)
-        if not isinstance(drop_last, bool):
-            msg = f"drop_last must be a bool, got {describe(drop_last)}"
-            raise ConfigTypeError(msg)
-        if sync not in get_args(SyncPolicy):
-            msg = f"sync must be one of 'auto', 'boundary', 'every', got {describe(sync)}"
-            raise ConfigError(msg)
-        # With steps=1 every microstep is a boundary: nothing is ever deferred.
-        self._strategy = strategy_for(model, "every" if self._steps == 1 else sync)
-        # Everything is validated: from here on the accumulator changes state.
+        check_bool(drop_last, "drop_last")
+        _check_choice(sync, "sync", get_args(SyncPolicy))
+        _check_on_nonfinite(on_nonfinite, self._scaler)
+        self._sync: SyncPolicy = sync
         self.model = model
+        self._use(self._strategy_for(self._steps))
+        # Everything is validated: from here on the accumulator changes state.
         self.optimizer = optimizer
         self.scheduler = scheduler
         self._drop_last = drop_last
-        self._sync: SyncPolicy = sync
+        self._on_nonfinite = on_nonfinite
         self._params = _unique_params(optimizer)
-        self._group = self._strategy.group
-        self._ranks = 1 if self._group is None else dist.get_world_size(self._group)
         self._device = self._params[0].device  # where the scalar collectives' tensors live
-        self._clip = getattr(self._strategy, "clip_grad_norm", clip_grad_norm)
         self._warned_lengths = False
         self._global_step = 0
+        self._skipped = 0
         self._position = 0  # microbatches of the current epoch handed out by `epoch`
+        self._length: int | None = None  # the current epoch's agreed length, when known
+        self._end = 0  # the microbatches of the current sized epoch that are trained on
         self._resume_at = 0  # microbatches `epoch` skips after `load_state_dict`
         self._in_block = False
         self._block = _Microstep(self)  # holds a loss from microstep() until it is entered
-        self._stepping = False  # the accumulator itself is calling optimizer.step()
-        self._closed = False
+        self._stepping = False  # the accumulator itself is stepping optimizer or scheduler
+        self._scheduled = _scheduler_steps(scheduler)  # to notice scheduler.step() by hand
+        self._closed = False  # closed, or broken by a failure under several ranks
+        self._released = False  # the hook is removed and the module state restored
+        self._broken: str | None = None
         self._armed: bool | None = None  # what the strategy was last told
         self._reset_window()
         optimizer.zero_grad(set_to_none=True)
         self._hook = optimizer.register_step_pre_hook(self._refuse_foreign_step)
+        _live.add(self)
+        _watch_clipping()
+
+    def _strategy_for(self, steps: int) -> SyncStrategy:
+        # With steps=1 every microstep is a boundary: nothing is ever deferred.
+        return strategy_for(self.model, "every" if steps == 1 else self._sync)
+
+    def _use(self, strategy: SyncStrategy) -> None:
+        self._strategy = strategy
+        self._group = strategy.group
+        self._ranks = 1 if self._group is None else dist.get_world_size(self._group)
+        self._clip = getattr(strategy, "clip_grad_norm", clip_grad_norm)
+        self._ddp = strategy if isinstance(strategy, DDPSync) else None
 
     # Window state -----------------------------------------------------------------
 
@@ -183,6 +224,7 @@ class Accumulator:
         self._losses: list[torch.Tensor] = []
         self._items: list[int | torch.Tensor] = []
         self._pending: Step | None = None  # the boundary step, between enter and exit
+        self._opened: int | None = None  # where in the epoch it starts, once handed out
         self._unscaled = False
         self._idle = Step(boundary=False, global_step=self._global_step)
         self._arm()
@@ -196,13 +238,71 @@ class Accumulator:
 
     @property
     def steps(self) -> int:
-        """Microbatches per optimizer step."""
+        """Microbatches per optimizer step; settable between windows.
+
+        A new value applies from the next window on, also in the middle of an epoch
+        (whose remaining microbatches are then cut into windows of the new size): a
+        warm-up of accumulation, e.g. ``acc.steps = steps_at_epoch(schedule, epoch)``.
+
+        Raises:
+            ConfigTypeError, ConfigError: The value is not a positive int.
+            UsageError: A window is open, or the accumulator is closed.
+            ConfigError: The wrapping cannot defer (DDP ``static_graph=True``) and the
+                value is above 1.
+        """
         return self._steps
+
+    @steps.setter
+    def steps(self, value: int) -> None:
+        steps = check_steps(value)
+        if self._closed:
+            msg = "steps was set on a closed Accumulator; create a new one"
+            raise UsageError(msg)
+        if self._pos > 0 or self._in_block:
+            msg = (
+                f"steps was set to {steps} mid-window ({self._pos} of {self._size} "
+                "microsteps back-propagated); set it after the `with` block of the window's "
+                "last microstep has exited"
+            )
+            raise UsageError(msg)
+        if (steps == 1) is not (self._steps == 1):  # the policy becomes, or stops being, "every"
+            self._strategy.restore()
+            try:
+                strategy = self._strategy_for(steps)
+            except BaseException:
+                self._armed = None
+                self._arm()
+                raise
+            self._use(strategy)
+            self._armed = None
+        self._steps = steps
+        opened = self._opened  # a microbatch of the new window may be handed out already
+        self._reset_window()
+        self._opened = opened
+        start = self._position if opened is None else opened
+        if self._length is not None:  # re-plan the rest of the sized epoch
+            if self._drop_last:
+                self._end = start + (self._length - start) // steps * steps
+            elif opened is not None:
+                self._size = min(steps, self._length - start)
+                self._arm()
 
     @property
     def global_step(self) -> int:
-        """Windows completed: optimizer steps taken, plus any the GradScaler skipped."""
+        """Windows completed: optimizer steps taken, plus the skipped ones."""
         return self._global_step
+
+    @property
+    def skipped_steps(self) -> int:
+        """Windows completed without an optimizer step: their gradient held inf/NaN (under
+        ``on_nonfinite="skip"``, or found by the GradScaler)."""
+        return self._skipped
+
+    @property
+    def position(self) -> int:
+        """Microbatches of the current epoch handed out by `epoch`; after `load_state_dict`,
+        the microbatches the next `epoch` skips because they were trained on already."""
+        return self._position
 
     @property
     def sync_gradients(self) -> bool:
@@ -231,7 +331,8 @@ class Accumulator:
                 or this window mixes ``num_items`` with plain mean losses.
             ConfigTypeError: ``loss`` or ``num_items`` has the wrong type.
             ConfigError: ``loss`` is not a 0-dim tensor that requires grad, or
-                ``num_items`` is negative or not 0-dim.
+                ``num_items`` is a negative int or a tensor that is not 0-dim (a
+                tensor's value is not read, to avoid a host sync).
         """
         # The checks are one cheap condition each on the hot path; messages are built on failure.
         if self._closed or self._in_block or self._block.loss is not None:
@@ -254,7 +355,13 @@ class Accumulator:
         return self._block
 
     def _refuse_microstep(self) -> NoReturn:
-        if self._closed:
+        if self._broken is not None:
+            msg = (
+                f"microstep() was called after {self._broken}: the ranks' windows no longer "
+                "line up, so this accumulator takes no more microsteps; restart every rank "
+                "from the last checkpoint"
+            )
+        elif self._closed:
             msg = "microstep() was called on a closed Accumulator; create a new one"
         elif self._block.loss is not None:
             self._block.loss = None  # drop the stale loss so that the corrected loop can run
@@ -271,6 +378,8 @@ class Accumulator:
 
     def _enter(self, loss: torch.Tensor, num_items: int | torch.Tensor | None) -> Step:
         self._in_block = True
+        if self._ddp is not None and self._ddp.seen:
+            self._check_forward(self._ddp)
         if self._pos == 0:
             self._den = self._size
             self._by_items = num_items is not None
@@ -285,14 +394,29 @@ class Accumulator:
             if self._pos != self._size - 1:  # sync_gradients, inlined on the hot path
                 return self._idle
             self._pending = self._prepare_boundary()
-        except BaseException:
+        except BaseException as error:
             self._in_block = False
-            self._discard_window()
+            self._fail(error)
             raise
         return self._pending
 
+    def _check_forward(self, ddp: DDPSync) -> None:
+        """Warn when this loss's forward (the oldest not yet back-propagated) saw another
+        sync flag than this backward needs: DDP decided in that forward."""
+        seen = ddp.seen.popleft()
+        if seen is not ddp.armed:
+            warnings.warn(
+                f"the forward of microstep {self._pos + 1} of {self._size} ran while DDP was "
+                f"set to {'all-reduce' if seen else 'defer'} for another microstep, so this "
+                f"backward will {'' if seen else 'not '}all-reduce"
+                f"{' and the window gradient is not synced' if not seen else ''}; run each "
+                "microbatch's forward right before its `with acc.microstep(loss):` block",
+                GradaccumWarning,
+                stacklevel=4,
+            )
+
     def _prepare_boundary(self) -> Step:
-        """Normalize, unscale and clip the window's gradient: what the block body sees."""
+        """Normalize, unscale, clip and check the window's gradient: what the block sees."""
         count = len(self._losses)
         divisor: int | torch.Tensor = count
         if self._by_items:
@@ -313,36 +437,63 @@ class Accumulator:
         if self._scaler is not None:
             self._scaler.unscale_(self.optimizer)
             self._unscaled = True
-        grad_norm = None
+        norm = None
         if self._max_grad_norm is not None:
-            grad_norm = self._clip(self._params, self._max_grad_norm)
-        return Step(
+            norm = self._clip(self._params, self._max_grad_norm)
+        step = Step(
             boundary=True,
             global_step=self._global_step + 1,
             losses=self._losses,
             divisor=divisor,
-            grad_norm=grad_norm,
+            grad_norm=norm,
             lr=self.optimizer.param_groups[0]["lr"],
         )
+        if self._on_nonfinite is not None and not self._finite(norm):
+            if self._on_nonfinite == "raise":
+                msg = (
+                    f"the gradient of window {step.global_step} (the optimizer step after "
+                    f"{self._global_step}) holds inf or NaN; nothing was applied. Pass "
+                    "on_nonfinite='skip' to skip such windows, or find the microbatch "
+                    "whose loss is not finite"
+                )
+                raise NonFiniteError(msg)
+            step.skipped = True
+        return step
 
-    def _exit(self, failed: bool) -> None:
+    def _finite(self, norm: torch.Tensor | None) -> bool:
+        """Whether the window's gradient is finite on every rank: one host sync, and one
+        scalar all-reduce when several ranks hold the gradients."""
+        if norm is None:
+            norm = grad_norm(self._params)
+        bad = (~torch.isfinite(norm)).to(device=self._device, dtype=torch.int32)
+        if self._ranks > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self._group)
+        return not bad.item()
+
+    def _exit(self, error: BaseException | None) -> None:
         self._in_block = False
         step = self._pending
-        if failed:
-            self._discard_window()
+        if error is not None:
+            self._fail(error)
         elif step is None:
             self._pos += 1
             if self._pos == self._size - 1:  # the next microstep is the boundary
                 self._arm()
         else:
             try:
-                step.skipped = self._apply()
-            except BaseException:
-                self._discard_window()
+                if step.skipped:
+                    self._skip()
+                else:
+                    step.skipped = self._apply()
+            except BaseException as failure:
+                self._fail(failure)
                 raise
+            self._skipped += step.skipped
             self.optimizer.zero_grad(set_to_none=True)
             self._global_step += 1
             self._reset_window()
+            if self._ddp is not None:
+                self._ddp.seen.clear()  # a forward that no block used is not carried over
 
     def _apply(self) -> bool:
         """Step the optimizer (and scaler) and the scheduler; return whether it was skipped."""
@@ -357,11 +508,54 @@ class Accumulator:
                 self._scaler.update()
                 # The scale only shrinks when inf/NaN gradients made step() skip.
                 skipped = self._scaler.get_scale() < scale
+            if self.scheduler is not None and not skipped:
+                moved = _scheduler_steps(self.scheduler)
+                if self._scheduled is not None and moved != self._scheduled:
+                    self._warn_scheduler(moved)
+                self.scheduler.step()
+                self._scheduled = _scheduler_steps(self.scheduler)
         finally:
             self._stepping = False
-        if self.scheduler is not None and not skipped:
-            self.scheduler.step()
         return skipped
+
+    def _skip(self) -> None:
+        """A skipped window: no optimizer or scheduler step; a scaler still backs off."""
+        if self._scaler is not None:
+            self._scaler.update()  # unscale_ recorded the inf/NaN: the scale shrinks
+
+    def _warn_scheduler(self, moved: int | None) -> None:
+        warnings.warn(
+            f"the scheduler was stepped outside the accumulator (its last_epoch moved from "
+            f"{self._scheduled} to {moved} between the accumulator's steps); the "
+            "accumulator steps it once per applied window: remove the scheduler.step() call "
+            "(after loading a scheduler's state, also load the accumulator's)",
+            GradaccumWarning,
+            stacklevel=5,
+        )
+
+    def _fail(self, error: BaseException) -> None:
+        """Drop the open window after ``error``; under several ranks, say which one failed.
+
+        A rank that raises while the others are inside the window's collectives records
+        the failure in the process group's store and refuses further microsteps: its
+        windows no longer line up with the others'. A rank whose collective fails raises
+        `RankFailedError` naming the rank that failed first, when it is recorded.
+        """
+        self._discard_window()
+        if self._ranks == 1 or isinstance(error, NonFiniteError):  # every rank raised that
+            return
+        window = f"window {self._global_step + 1}"
+        self._closed = True
+        peer = faults.first_failure(self._group)
+        if peer is not None and peer[0] != dist.get_rank():
+            self._broken = f"rank {peer[0]} failed ({peer[1]})"
+            raise RankFailedError(
+                f"rank {dist.get_rank()} stopped in {window} because rank {peer[0]} failed "
+                f"there first: {peer[1]}; no rank applied {window}. Restart every rank from "
+                "the last checkpoint"
+            ) from error
+        faults.record_failure(self._group, f"{type(error).__name__}: {error} (in {window})")
+        self._broken = f"this rank failed in {window} ({type(error).__name__}: {error})"
 
     def _discard_window(self) -> None:
         """Drop the open window's gradient so that the next microstep starts clean."""
@@ -372,13 +566,22 @@ class Accumulator:
         self._reset_window()
 
     def _refuse_foreign_step(self, *_: object) -> None:
-        if not self._stepping and (self._pos > 0 or self._in_block):
+        if self._stepping:
+            return
+        if self._pos > 0 or self._in_block:
             msg = (
                 f"optimizer.step() was called inside an accumulation window (microstep "
                 f"{self._pos + 1} of {self._size}); the accumulator steps the optimizer "
                 "when the window's last microstep block exits: remove the call"
             )
             raise UsageError(msg)
+        warnings.warn(
+            "optimizer.step() was called between windows while an Accumulator owns the "
+            "optimizer; it steps once when each window's last microstep block exits: "
+            "remove the call (or close() the accumulator first)",
+            GradaccumWarning,
+            stacklevel=3,
+        )
 
     # Epochs -----------------------------------------------------------------------
 
@@ -406,6 +609,9 @@ class Accumulator:
         if self._closed:
             msg = "epoch() was called on a closed Accumulator; create a new one"
             raise UsageError(msg)
+        if not (isinstance(iterable, Iterable) or hasattr(type(iterable), "__getitem__")):
+            msg = f"iterable must be an iterable of microbatches, got {describe(iterable)}"
+            raise ConfigTypeError(msg)
         n = _length(iterable)
         planned = None
         if n is not None and self._ranks > 1:
@@ -424,7 +630,7 @@ class Accumulator:
                     f"past the {planned} this epoch of {n} trains on; pass the same data"
                 )
                 raise ConfigError(msg)
-        return self._epoch(iterable, planned)
+        return self._epoch(iterable, n, planned)
 
     def _agree(self, n: int) -> tuple[int, int]:
         """The least and the most of ``n`` over the ranks: one all-reduce, read on the host."""
@@ -444,8 +650,9 @@ class Accumulator:
             )
         self._warned_lengths = True
 
-    def _epoch(self, iterable: Iterable[T], planned: int | None) -> Iterator[T]:
-        if self._pos > 0:
+    def _epoch(self, iterable: Iterable[T], n: int | None, planned: int | None) -> Iterator[T]:
+        self._length = None
+        if self._pos > 0 and self._resume_at == 0:  # (a loaded partial window carries on)
             warnings.warn(
                 f"discarding the {self._pos} microsteps of a window left open by the previous "
                 "epoch: windows never span epochs",
@@ -462,13 +669,18 @@ class Accumulator:
                 f"iterable ended after {start}; pass the same data"
             )
             raise ConfigError(msg)
-        if planned is not None:
-            for seen, item in enumerate(itertools.islice(iterator, planned - start), start + 1):
-                self._hand_out(seen, planned - seen)
-                yield item
-            if seen < planned:
-                msg = f"the iterable ended after {seen} items; its len() promised {planned}"
-                raise ConfigError(msg)
+        if n is not None and planned is not None:
+            # `steps` may change at a window boundary: the setter re-plans `_end`.
+            self._length, self._end = n, planned
+            while seen < self._end:
+                item = next(iterator, _END)
+                if item is _END:
+                    msg = f"the iterable ended after {seen} items; its len() promised {n}"
+                    raise ConfigError(msg)
+                seen += 1
+                self._hand_out(seen, n - seen)
+                yield item  # type: ignore[misc]  # not _END
+            self._length = None
         elif self._ranks > 1:
             seen = yield from self._agreed_windows(iterator, seen)
         else:
@@ -526,6 +738,8 @@ class Accumulator:
             remaining: How many follow it in the epoch, when known.
         """
         self._position = position
+        if self._pos == 0:
+            self._opened = position - 1
         if self._drop_last:
             return
         if self._pos == 0 and remaining is not None:
@@ -539,10 +753,11 @@ class Accumulator:
         if total_steps(n, self._steps, 1, self._drop_last) > 0:
             return
         if n == 0:
-            msg = "the epoch is empty: it gives no optimizer step"
+            msg = "the epoch's iterable is empty: it gives no optimizer step"
         else:
             msg = (
-                f"an epoch of {n} microbatches gives no optimizer step with steps={self._steps} "
+                f"the iterable's epoch of {n} microbatches gives no optimizer step with "
+                f"steps={self._steps} "
                 f"and drop_last=True; lower steps to at most {n}, or pass drop_last=False"
             )
         if discarded:
@@ -551,72 +766,181 @@ class Accumulator:
 
     # Checkpoints ------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, include_grads: bool = False) -> dict[str, Any]:
         """The accumulator's state, to save beside the model's, optimizer's and scheduler's.
+
+        Args:
+            include_grads: Also save an open window: its gradients so far (this rank's:
+                under DDP every rank saves its own state) and its losses and item
+                counts, so that `load_state_dict` resumes mid-window exactly. Only where
+                the partial gradient is ``param.grad`` (a plain module, DDP).
 
         Returns:
             ``steps``, the ``position`` in the current epoch (microbatches handed out),
-            ``global_step`` and the policy (``drop_last``, ``sync``).
+            ``global_step``, ``skipped_steps`` and the policy (``drop_last``, ``sync``);
+            with ``include_grads`` and an open window, also ``window``.
 
         Raises:
-            UsageError: A window is open: checkpoint after the ``with`` block of a
-                boundary microstep has exited.
+            UsageError: A window is open without ``include_grads``, a microstep block is
+                open, or the wrapping keeps the partial gradient outside ``param.grad``.
         """
-        if self._pos > 0 or self._in_block:
+        check_bool(include_grads, "include_grads")
+        if self._in_block or (self._pos > 0 and not include_grads):
             msg = (
                 f"state_dict() was called mid-window ({self._pos} of {self._size} microsteps "
                 "back-propagated); checkpoint after the `with` block of the window's last "
-                "microstep has exited, e.g. when acc.global_step has just changed"
+                "microstep has exited, e.g. when acc.global_step has just changed, or pass "
+                "include_grads=True (outside a `with` block) to save the partial window"
             )
             raise UsageError(msg)
-        return {
+        state: dict[str, Any] = {
             "version": _STATE_VERSION,
             "steps": self._steps,
             "position": self._position,
             "global_step": self._global_step,
+            "skipped_steps": self._skipped,
             "drop_last": self._drop_last,
             "sync": self._sync,
         }
+        if self._pos > 0:
+            if not getattr(self._strategy, "grads_in_params", False):
+                msg = (
+                    f"state_dict(include_grads=True) cannot save this window: under "
+                    f"{type(self._strategy).__name__} its partial gradient is held by the "
+                    "wrapper, not in param.grad; checkpoint after a window's last microstep"
+                )
+                raise UsageError(msg)
+            state["window"] = {
+                "microsteps": self._pos,
+                "size": self._size,
+                "divisor": self._den,
+                "by_items": self._by_items,
+                "items": list(self._items),
+                "losses": [loss.detach() for loss in self._losses],
+                "grads": [_grad_copy(param) for param in self._params],
+            }
+        return state
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(
+        self, state: Mapping[str, Any], *, allow_steps_change: bool = False
+    ) -> None:
         """Resume from `state_dict`: restores ``global_step`` and where the epoch was.
 
         The next `epoch` skips the ``position`` microbatches already trained on, so pass
-        the same data in the same order.
+        the same data in the same order. A state with a ``window`` restores its
+        gradients: the next microstep continues that window.
+
+        Args:
+            state: From `state_dict`.
+            allow_steps_change: Load a state saved with another ``steps`` and keep this
+                accumulator's; only at an epoch boundary (``position`` 0, no window).
 
         Raises:
             ConfigTypeError: ``state`` is not such a mapping.
-            ConfigError: ``state`` was saved with another ``steps`` or ``drop_last``.
+            ConfigError: ``state`` was saved with another ``drop_last``, with another
+                ``steps`` (unless allowed, at an epoch boundary), or its window does not
+                fit this optimizer's parameters.
             UsageError: A window is open in this accumulator.
         """
-        if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
+        if not isinstance(state, Mapping):
             msg = f"state must be a mapping from Accumulator.state_dict(), got {describe(state)}"
             raise ConfigTypeError(msg)
+        check_bool(allow_steps_change, "allow_steps_change")
+        version = check_count(state.get("version"), "state['version']")
+        if version not in (1, _STATE_VERSION):
+            msg = (
+                f"state['version'] is {version}, but this gradaccum reads versions 1 and "
+                f"{_STATE_VERSION}; load it with the gradaccum that saved it"
+            )
+            raise ConfigError(msg)
         steps = check_steps(state.get("steps"), "state['steps']")
         position = check_count(state.get("position"), "state['position']")
         global_step = check_count(state.get("global_step"), "state['global_step']")
-        for name, saved, current in (
-            ("steps", steps, self._steps),
-            ("drop_last", state.get("drop_last"), self._drop_last),
-        ):
-            if saved != current:
-                msg = (
-                    f"the state was saved with {name}={saved!r} but this Accumulator has "
-                    f"{name}={current!r}; construct it with {name}={saved!r} to resume"
-                )
-                raise ConfigError(msg)
+        skipped = check_count(state.get("skipped_steps", 0), "state['skipped_steps']")
+        if skipped > global_step:
+            msg = f"state['skipped_steps'] is {skipped}, more than its {global_step} windows"
+            raise ConfigError(msg)
+        check_bool(state.get("drop_last"), "state['drop_last']")
+        window = state.get("window")
+        if state.get("drop_last") != self._drop_last:
+            msg = (
+                f"the state was saved with drop_last={state.get('drop_last')!r} but this "
+                f"Accumulator has drop_last={self._drop_last!r}; construct it with "
+                f"drop_last={state.get('drop_last')!r} to resume"
+            )
+            raise ConfigError(msg)
+        if steps != self._steps and not (allow_steps_change and position == 0 and not window):
+            msg = (
+                f"the state was saved with steps={steps} but this Accumulator has "
+                f"steps={self._steps}; construct it with steps={steps} to resume"
+            )
+            if position or window:
+                msg += " (it was saved mid-epoch, where steps cannot change)"
+            else:
+                msg += f", or pass allow_steps_change=True to keep steps={self._steps}"
+            raise ConfigError(msg)
         if self._pos > 0 or self._in_block:
             msg = "load_state_dict() was called mid-window; load before the first microstep"
             raise UsageError(msg)
+        saved = self._check_window(window) if window else None
         self._global_step = global_step
+        self._skipped = skipped
+        self._scheduled = None  # the scheduler's state may be loaded too: read it afresh
         self._position = self._resume_at = position
+        self._reset_window()
+        if saved is not None:
+            for param, grad in zip(self._params, saved.grads, strict=True):
+                param.grad = None if grad is None else grad.to(param.device).clone()
+            self._pos, self._size, self._den = saved.microsteps, saved.size, saved.divisor
+            self._by_items, self._items, self._losses = saved.by_items, saved.items, saved.losses
+            self._idle = Step(boundary=False, global_step=global_step)
+            self._arm()
+
+    def _check_window(self, window: object) -> _Window:
+        """The saved window, once every field is what `state_dict` writes and fits here."""
+        fields = window if isinstance(window, Mapping) else {}
+        pos, size, divisor = fields.get("microsteps"), fields.get("size"), fields.get("divisor")
+        by_items, items, losses = fields.get("by_items"), fields.get("items"), fields.get("losses")
+        grads = fields.get("grads")
+        if not (
+            type(pos) is int
+            and type(size) is int
+            and type(divisor) is int
+            and isinstance(by_items, bool)
+            and isinstance(items, list)
+            and isinstance(losses, list)
+            and isinstance(grads, list)
+            and 0 < pos < size
+            and len(losses) == pos
+            and all(isinstance(item, (int, torch.Tensor)) for item in items)
+            and all(isinstance(loss, torch.Tensor) for loss in losses)
+        ):
+            msg = f"state['window'] is not a window from state_dict(), got {describe(window)}"
+            raise ConfigError(msg)
+        if len(grads) != len(self._params) or not all(
+            grad is None or (isinstance(grad, torch.Tensor) and grad.shape == param.shape)
+            for grad, param in zip(grads, self._params, strict=False)
+        ):
+            msg = (
+                "state['window'] does not fit this optimizer's parameters (their number or "
+                "shapes differ); load it into an Accumulator built like the saved one"
+            )
+            raise ConfigError(msg)
+        if not getattr(self._strategy, "grads_in_params", False):
+            msg = (
+                f"a window saved mid-way cannot be loaded under {type(self._strategy).__name__}, "
+                "which keeps partial gradients outside param.grad"
+            )
+            raise UsageError(msg)
+        return _Window(pos, size, divisor, by_items, list(items), list(losses), grads)
 
     # Lifetime ---------------------------------------------------------------------
 
     def close(self) -> None:
         """Remove the optimizer hook and restore any sync state set on the model."""
-        if not self._closed:
-            self._closed = True
+        self._closed = True
+        if not self._released:
+            self._released = True
             self._hook.remove()
             self._strategy.restore()
 
@@ -631,6 +955,18 @@ class Accumulator:
             f"Accumulator(steps={self._steps}, global_step={self._global_step}, "
             f"window={self._pos}/{self._size})"
         )
+
+
+class _Window(NamedTuple):
+    """An open window as `Accumulator.state_dict` saves it."""
+
+    microsteps: int
+    size: int
+    divisor: int
+    by_items: bool
+    items: list[int | torch.Tensor]
+    losses: list[torch.Tensor]
+    grads: list[torch.Tensor | None]
 
 
 class _Microstep:
@@ -650,8 +986,8 @@ class _Microstep:
             raise UsageError(msg)
         return self._acc._enter(loss, self.num_items)
 
-    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
-        self._acc._exit(exc_type is not None)
+    def __exit__(self, _: object, error: BaseException | None, *__: object) -> None:
+        self._acc._exit(error)
 
 
 # Validation and helpers -----------------------------------------------------------
@@ -664,6 +1000,19 @@ def _check_parts(model: object, optimizer: object, scheduler: object) -> None:
     if not isinstance(optimizer, torch.optim.Optimizer):
         msg = f"optimizer must be a torch.optim.Optimizer, got {describe(optimizer)}"
         raise ConfigTypeError(msg)
+    trainable = {id(param) for param in model.parameters() if param.requires_grad}
+    if not trainable:
+        msg = (
+            f"model ({type(model).__name__}) has no parameter that requires grad, so there "
+            "is nothing to accumulate; unfreeze some parameters (requires_grad_(True))"
+        )
+        raise ConfigError(msg)
+    if not any(id(param) in trainable for param in _unique_params(optimizer)):
+        msg = (
+            "optimizer holds none of the model's trainable parameters, so no step would "
+            "change the model; build it on model.parameters()"
+        )
+        raise ConfigError(msg)
     if scheduler is None:
         return
     if isinstance(scheduler, ReduceLROnPlateau):
@@ -682,6 +1031,31 @@ def _check_parts(model: object, optimizer: object, scheduler: object) -> None:
             "create the scheduler on the optimizer passed to the Accumulator"
         )
         raise ConfigError(msg)
+
+
+def _check_choice(value: object, name: str, choices: tuple[object, ...]) -> None:
+    """Refuse ``value`` unless it is one of the (str or None) ``choices``."""
+    if value in choices and isinstance(value, (str, type(None))):
+        return
+    accepted = ", ".join(repr(choice) for choice in choices)
+    msg = f"{name} must be one of {accepted}, got {describe(value)}"
+    raise ConfigTypeError(msg) if not isinstance(value, str) else ConfigError(msg)
+
+
+def _check_on_nonfinite(value: object, scaler: torch.amp.GradScaler | None) -> None:
+    _check_choice(value, "on_nonfinite", _NONFINITE)
+    if value == "raise" and scaler is not None:
+        msg = (
+            "on_nonfinite='raise' with an enabled GradScaler would raise on the overflows "
+            "the scaler expects and skips; pass on_nonfinite='skip' or None"
+        )
+        raise ConfigError(msg)
+
+
+def _scheduler_steps(scheduler: Any) -> int | None:
+    """How far ``scheduler`` has stepped (``last_epoch``), when it says."""
+    steps = getattr(scheduler, "last_epoch", None)
+    return steps if isinstance(steps, int) else None
 
 
 def _check_max_grad_norm(value: object) -> float | None:
@@ -760,6 +1134,10 @@ def _scale_grads(
             torch._foreach_mul_(grads, 1.0 / factor if divide else factor)
 
 
+def _grad_copy(param: torch.Tensor) -> torch.Tensor | None:
+    return None if param.grad is None else param.grad.detach().clone()
+
+
 def _length(iterable: Iterable[Any]) -> int | None:
     if not isinstance(iterable, Sized):
         return None
@@ -767,3 +1145,57 @@ def _length(iterable: Iterable[Any]) -> int | None:
         return len(iterable)
     except TypeError:  # a DataLoader over an IterableDataset has __len__ but may raise
         return None
+
+
+# The user's own clipping ----------------------------------------------------------
+
+_live: weakref.WeakSet[Accumulator] = weakref.WeakSet()
+_clip_functions: dict[str, Any] = {}
+
+
+def _watch_clipping() -> None:
+    """Wrap ``torch.nn.utils.clip_grad_norm_`` once, to warn when it clips a partial window.
+
+    The wrapper forwards every call unchanged; it only looks at the open accumulators
+    (a weak set) and warns when one of them is between the microsteps of a window and
+    owns a parameter being clipped. Code that imported the function before the first
+    Accumulator was built keeps the unwrapped one.
+    """
+    if _clip_functions:
+        return
+    original = nn.utils.clip_grad_norm_
+
+    def clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        parameters = _clip_off_boundary(parameters)
+        return original(parameters, *args, **kwargs)
+
+    clip_grad_norm_.__doc__ = original.__doc__
+    clip_grad_norm_.__wrapped__ = original  # type: ignore[attr-defined]
+    _clip_functions["original"] = original
+    for module in (nn.utils, nn.utils.clip_grad):
+        module.clip_grad_norm_ = clip_grad_norm_  # type: ignore[attr-defined]
+
+
+def _clip_off_boundary(parameters: Any) -> Any:
+    """Warn if an open window's partial gradient is among ``parameters``; return them."""
+    open_windows = [
+        acc
+        for acc in list(_live)
+        if not acc._closed and acc._pending is None and (acc._pos > 0 or acc._in_block)
+    ]
+    if not open_windows:
+        return parameters
+    parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    clipped = {id(param) for param in parameters}
+    for acc in open_windows:
+        if any(id(param) in clipped for param in acc._params):
+            warnings.warn(
+                f"clip_grad_norm_ was called on microstep {acc._pos + 1} of {acc._size}, "
+                "before the window's gradient is complete, so it clips a partial sum; pass "
+                "max_grad_norm= to the Accumulator, or clip inside the boundary's block "
+                "(when step.boundary is True)",
+                GradaccumWarning,
+                stacklevel=3,
+            )
+            break
+    return parameters

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Protocol, TypeVar
 
+from gradaccum.errors import ConfigTypeError, describe
 from gradaccum.schedule import check_steps
 
 __all__ = ["add_arguments", "parse_steps"]
@@ -44,6 +45,9 @@ def add_arguments(parser: P) -> P:
         >>> parser.parse_args(["--gradient-accumulation-steps", "4"]).gradient_accumulation_steps
         4
     """
+    if isinstance(parser, type) or not callable(getattr(parser, "add_argument", None)):
+        msg = f"parser must be an argparse.ArgumentParser or argument group, got {describe(parser)}"
+        raise ConfigTypeError(msg)
     parser.add_argument(
         "--gradient-accumulation-steps",
         type=parse_steps,

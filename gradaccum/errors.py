@@ -19,6 +19,14 @@ class UsageError(GradaccumError, RuntimeError):
     """The accumulator was used out of order (nested microsteps, a mid-window checkpoint)."""
 
 
+class NonFiniteError(GradaccumError, FloatingPointError):
+    """A window's gradient held inf or NaN under ``on_nonfinite="raise"``; nothing was applied."""
+
+
+class RankFailedError(GradaccumError, RuntimeError):
+    """Another rank failed, so this one stopped mid-window without applying the window."""
+
+
 class GradaccumWarning(UserWarning):
     """Something was dropped or ignored that the user may not have meant to drop."""
 

@@ -5,9 +5,19 @@ Nothing here imports torch, so trainers and launchers can use it on their own.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from gradaccum.errors import ConfigError, ConfigTypeError, describe
 
-__all__ = ["check_count", "check_steps", "interval", "steps_per_epoch", "total_steps"]
+__all__ = [
+    "check_bool",
+    "check_count",
+    "check_steps",
+    "interval",
+    "steps_at_epoch",
+    "steps_per_epoch",
+    "total_steps",
+]
 
 
 def check_steps(steps: object, name: str = "steps") -> int:
@@ -18,6 +28,14 @@ def check_steps(steps: object, name: str = "steps") -> int:
         ConfigError: ``steps`` is an int below 1.
     """
     return _check_int(steps, name, "a positive int", 1, "; pass 1 for no accumulation")
+
+
+def check_bool(value: object, name: str) -> bool:
+    """Return ``value`` if it is a bool, else raise `ConfigTypeError` naming ``name``."""
+    if not isinstance(value, bool):
+        msg = f"{name} must be a bool, got {describe(value)}"
+        raise ConfigTypeError(msg)
+    return value
 
 
 def check_count(value: object, name: str) -> int:
@@ -58,12 +76,15 @@ def steps_per_epoch(n_batches: int, steps: int) -> int:
     return check_count(n_batches, "n_batches") // check_steps(steps)
 
 
-def total_steps(n_batches: int, steps: int, epochs: int = 1, drop_last: bool = True) -> int:
+def total_steps(
+    n_batches: int, steps: int | Mapping[int, int], epochs: int = 1, drop_last: bool = True
+) -> int:
     """Optimizer steps over ``epochs`` epochs: the horizon to give an LR scheduler.
 
     Args:
         n_batches: Microbatches per epoch.
-        steps: Microbatches per optimizer step.
+        steps: Microbatches per optimizer step, or a schedule ``{epoch: steps}`` that
+            changes it from the given (0-based) epochs on, as in `steps_at_epoch`.
         epochs: Number of epochs.
         drop_last: Drop each epoch's trailing partial window (the `Accumulator` default);
             when False it is one more, shorter, optimizer step.
@@ -76,14 +97,53 @@ def total_steps(n_batches: int, steps: int, epochs: int = 1, drop_last: bool = T
         6
         >>> total_steps(13, 4, epochs=2, drop_last=False)
         8
+        >>> total_steps(13, {0: 1, 1: 4}, epochs=2)  # 13 steps, then 3
+        16
     """
-    per_epoch = steps_per_epoch(n_batches, steps)
+    check_count(n_batches, "n_batches")
     check_count(epochs, "epochs")
-    if not isinstance(drop_last, bool):
-        msg = f"drop_last must be a bool, got {describe(drop_last)}"
-        raise ConfigTypeError(msg)
+    check_bool(drop_last, "drop_last")
+    if not isinstance(steps, Mapping):
+        return epochs * _per_epoch(n_batches, check_steps(steps), drop_last)
+    _check_schedule(steps, "steps")
+    return sum(
+        _per_epoch(n_batches, steps_at_epoch(steps, epoch), drop_last) for epoch in range(epochs)
+    )
+
+
+def _per_epoch(n_batches: int, steps: int, drop_last: bool) -> int:
     partial = 0 if drop_last or n_batches % steps == 0 else 1
-    return epochs * (per_epoch + partial)
+    return n_batches // steps + partial
+
+
+def steps_at_epoch(schedule: Mapping[int, int], epoch: int) -> int:
+    """The ``steps`` a schedule of accumulation gives an epoch (like Lightning's
+    ``GradientAccumulationScheduler``): the value at the largest key ``<= epoch``.
+
+    Args:
+        schedule: ``{first_epoch: steps}``, 0-based epochs; it must have the key 0.
+        epoch: The 0-based epoch.
+
+    Example:
+        >>> warm_up = {0: 1, 2: 4, 5: 8}
+        >>> [steps_at_epoch(warm_up, epoch) for epoch in range(7)]
+        [1, 1, 4, 4, 4, 8, 8]
+    """
+    _check_schedule(schedule, "schedule")
+    check_count(epoch, "epoch")
+    return schedule[max(start for start in schedule if start <= epoch)]
+
+
+def _check_schedule(schedule: object, name: str) -> None:
+    if not isinstance(schedule, Mapping):
+        msg = f"{name} must be a mapping {{epoch: steps}}, got {describe(schedule)}"
+        raise ConfigTypeError(msg)
+    for epoch, steps in schedule.items():
+        check_count(epoch, f"a key of {name}")
+        check_steps(steps, f"{name}[{epoch!r}]")
+    if 0 not in schedule:
+        msg = f"{name} must give the steps of epoch 0, got keys {sorted(schedule)}; add the key 0"
+        raise ConfigError(msg)
 
 
 def interval(freq: int | float, steps_per_epoch: int) -> int:

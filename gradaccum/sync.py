@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Literal, Protocol
@@ -24,6 +25,7 @@ __all__ = [
     "SyncStrategy",
     "clip_grad_norm",
     "full_tensor",
+    "grad_norm",
     "no_sync",
     "register_sync_strategy",
     "strategy_for",
@@ -62,6 +64,7 @@ class LocalSync:
     """A module that is not wrapped: its gradients live on this process, nothing to sync."""
 
     group: dist.ProcessGroup | None = None
+    grads_in_params = True
 
     def arm(self, sync: bool) -> None:
         """Nothing to arm: there is no communication."""
@@ -75,22 +78,38 @@ class DDPSync:
 
     The flag is set to what each microstep needs rather than toggled by ``no_sync()``,
     so a state left behind by someone else (an open ``no_sync()``, an accumulator that
-    was never closed) cannot keep a boundary from all-reducing.
+    was never closed) cannot keep a boundary from all-reducing. A forward pre-hook
+    records the flag each forward saw (``seen``, oldest first), so that a forward run
+    while the flag was set for another microstep can be reported.
     """
+
+    grads_in_params = True  # a deferred window's gradient is plain `param.grad`
 
     def __init__(self, ddp: Any, *, defer: bool) -> None:
         self._ddp = ddp
         self._defer = defer
         self.group: dist.ProcessGroup | None = ddp.process_group
         self._found: bool = ddp.require_backward_grad_sync
+        self.seen: deque[bool] = deque()  # the flag at each forward under grad mode
+        self._hook = ddp.register_forward_pre_hook(self._record)
+
+    def _record(self, ddp: Any, _: object) -> None:
+        if torch.is_grad_enabled():
+            self.seen.append(ddp.require_backward_grad_sync)
+
+    @property
+    def armed(self) -> bool:
+        """Whether the next backward all-reduces, as the flag stands now."""
+        return self._ddp.require_backward_grad_sync  # type: ignore[no-any-return]
 
     def arm(self, sync: bool) -> None:
         """All-reduce in the next backward unless it is deferred."""
         self._ddp.require_backward_grad_sync = sync or not self._defer
 
     def restore(self) -> None:
-        """Put back the flag as it was found."""
+        """Put back the flag as it was found, and remove the forward hook."""
         self._ddp.require_backward_grad_sync = self._found
+        self._hook.remove()
 
 
 class NoSyncContext:
@@ -348,20 +367,22 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return gather() if gather is not None else tensor
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Clip to ``max_norm`` by the total norm of the full gradient, without host sync.
-
-    Gradients may be DTensors (``fully_shard``): their norm is reduced over the mesh, so
-    the returned 0-dim tensor is the full norm, the same on every rank.
-    """
+def grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
+    """The total norm of the gradients, a 0-dim tensor; gathered over the mesh when they
+    are DTensors (``fully_shard``), so it is the full norm, the same on every rank."""
     grads = [param.grad for param in params if param.grad is not None]
-    total = full_tensor(nn.utils.get_total_norm(grads))
+    return full_tensor(nn.utils.get_total_norm(grads))
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip to ``max_norm`` by the total norm of the full gradient (`grad_norm`), without
+    host sync, and return that norm."""
+    total = grad_norm(params)
     nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
 
 
-@contextmanager
-def no_sync(model: nn.Module) -> Iterator[None]:
+def no_sync(model: nn.Module) -> AbstractContextManager[None]:
     """Keep the gradients of the backwards run inside the block local to this process.
 
     Use it around both the forward and the backward of a non-boundary microstep;
@@ -369,11 +390,22 @@ def no_sync(model: nn.Module) -> Iterator[None]:
     to sync, so the block is a no-op. Under ``fully_shard`` (and HSDP) neither the
     reduce-scatter nor the all-reduce runs, so unsharded gradients are held.
 
+    Raises:
+        ConfigTypeError: ``model`` is not a ``torch.nn.Module``.
+
     Example:
         >>> model = torch.nn.Linear(2, 1)
         >>> with no_sync(model):
         ...     model(torch.ones(1, 2)).sum().backward()
     """
+    if not isinstance(model, nn.Module):
+        msg = f"model must be a torch.nn.Module, got {describe(model)}"
+        raise ConfigTypeError(msg)
+    return _no_sync(model)
+
+
+@contextmanager
+def _no_sync(model: nn.Module) -> Iterator[None]:
     strategy = strategy_for(model, "boundary")
     strategy.arm(False)
     try:

@@ -24,6 +24,8 @@ def test_exports_are_pinned() -> None:
         "ConfigTypeError",
         "GradaccumError",
         "GradaccumWarning",
+        "NonFiniteError",
+        "RankFailedError",
         "Step",
         "SyncPolicy",
         "SyncStrategy",
@@ -33,6 +35,7 @@ def test_exports_are_pinned() -> None:
         "interval",
         "no_sync",
         "register_sync_strategy",
+        "steps_at_epoch",
         "steps_per_epoch",
         "total_steps",
     ]
@@ -46,11 +49,21 @@ def test_errors_subclass_the_matching_builtins() -> None:
     assert issubclass(gradaccum.ConfigError, ValueError)
     assert issubclass(gradaccum.ConfigTypeError, TypeError)
     assert issubclass(gradaccum.UsageError, RuntimeError)
-    for error in (gradaccum.ConfigError, gradaccum.ConfigTypeError, gradaccum.UsageError):
+    assert issubclass(gradaccum.NonFiniteError, FloatingPointError)
+    assert issubclass(gradaccum.RankFailedError, RuntimeError)
+    for error in (
+        gradaccum.ConfigError,
+        gradaccum.ConfigTypeError,
+        gradaccum.UsageError,
+        gradaccum.NonFiniteError,
+        gradaccum.RankFailedError,
+    ):
         assert issubclass(error, gradaccum.GradaccumError)
 
 
-@pytest.mark.parametrize("module", ["accumulator", "cli", "errors", "schedule", "sync", "verify"])
+@pytest.mark.parametrize(
+    "module", ["accumulator", "cli", "errors", "faults", "schedule", "sync", "verify"]
+)
 def test_docstring_examples_run(module: str) -> None:
     """Every `Example:` in the docstrings is executed and its output checked."""
     imported = importlib.import_module(f"gradaccum.{module}")

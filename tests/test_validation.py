@@ -28,7 +28,7 @@ CONSTRUCTION: list[tuple[dict[str, Any], type[Exception], list[str]]] = [
     ({"max_grad_norm": "1"}, TypeError, ["max_grad_norm", "'1' (str)"]),
     ({"max_grad_norm": True}, TypeError, ["max_grad_norm", "True (bool)"]),
     ({"sync": "sometimes"}, ValueError, ["sync", "'sometimes'", "'auto', 'boundary', 'every'"]),
-    ({"sync": None}, ValueError, ["sync", "None"]),
+    ({"sync": None}, TypeError, ["sync", "None (NoneType)"]),
     ({"drop_last": "yes"}, TypeError, ["drop_last", "'yes' (str)"]),
     ({"scaler": object()}, TypeError, ["scaler", "GradScaler"]),
     ({"model": "model"}, TypeError, ["model", "'model' (str)", "torch.nn.Module"]),
