@@ -221,3 +221,182 @@ def verify_rows_with_late_arming(rank: int, world: int) -> Any:
     Accumulator._arm = lambda self: None  # type: ignore[method-assign]
     Accumulator._enter = arm_then_enter  # type: ignore[method-assign]
     return verify._rank_rows(rank, world, "DDP", [4], "late arming")
+
+
+# Reliability: resume, non-finite windows, faults, misuse ---------------------------------
+
+
+def resume(rank: int, world: int, stop: int, include_grads: bool) -> dict[str, bool]:
+    """Two DDP epochs uninterrupted, against a run stopped after ``stop`` microsteps,
+    checkpointed (every rank its own state), rebuilt from scratch and resumed."""
+    import io
+
+    batches = rank_batches(rank, [2] * 13, torch.float32)
+
+    def build() -> tuple[Any, Any, Any, gradaccum.Accumulator]:
+        model = wrap("ddp", make_model(dtype=torch.float32))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.1, total_iters=6)
+        acc = gradaccum.Accumulator(model, optimizer, scheduler, steps=4, max_grad_norm=1.0)
+        return model, optimizer, scheduler, acc
+
+    def train_on(parts: Any, epochs: int, budget: int | None = None) -> int:
+        model, _, _, acc = parts
+        done = 0
+        for _ in range(epochs):
+            for batch in acc.epoch(batches):
+                with acc.microstep(mean_loss(model, batch)):
+                    pass
+                done += 1
+                if done == budget:
+                    return done
+        return done
+
+    whole = build()
+    train_on(whole, 2)
+    first = build()
+    train_on(first, 2, stop)
+    model, optimizer, scheduler, acc = first
+    buffer = io.BytesIO()
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "acc": acc.state_dict(include_grads=include_grads),
+        },
+        buffer,
+    )
+    acc.close()
+    del first, model, optimizer, scheduler, acc
+    resumed = build()
+    model, optimizer, scheduler, acc = resumed
+    state = torch.load(io.BytesIO(buffer.getvalue()))
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    acc.load_state_dict(state["acc"])
+    for batch in acc.epoch(batches):  # the rest of the interrupted epoch
+        with acc.microstep(mean_loss(model, batch)):
+            pass
+    train_on(resumed, 1 if stop < 12 else 0)
+    a, b = whole[0], model
+    return {
+        "params": all(
+            torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True)
+        ),
+        "optimizer": all(
+            torch.equal(value, optimizer.state[q][key])
+            for p, q in zip(a.parameters(), b.parameters(), strict=True)
+            for key, value in whole[1].state[p].items()
+        ),
+        "lr": whole[1].param_groups[0]["lr"] == optimizer.param_groups[0]["lr"],
+        "global_step": whole[3].global_step == acc.global_step == 6,
+    }
+
+
+def checkpoint_mid_window(rank: int, world: int, kind: str) -> str:
+    """``state_dict(include_grads=True)`` after 2 of 4 microsteps under ``kind``."""
+    model = wrap(kind, make_model())
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=4)
+    for batch in rank_batches(rank, [2] * 2):
+        with acc.microstep(mean_loss(model, batch)):
+            pass
+    try:
+        acc.state_dict(include_grads=True)
+    except gradaccum.UsageError as error:
+        return str(error)
+    return "saved"
+
+
+def nonfinite(rank: int, world: int, kind: str, on_nonfinite: str) -> Training:
+    """Three windows of 4; rank 1 alone poisons window 2. Under DDP its loss is NaN (the
+    all-reduce spreads it); under FSDP1 one element of its own flat gradient shard
+    becomes NaN after the reduce-scatter, so only rank 1 holds a non-finite value."""
+    model = wrap(kind, make_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, optimizer, steps=4, on_nonfinite=on_nonfinite)
+    skipped = []
+    counter = OpCounter()
+    with counter:
+        for index, batch in enumerate(acc.epoch(rank_batches(rank, [2] * 12))):
+            loss = mean_loss(model, batch)
+            poison = rank == 1 and index == 5
+            if poison and kind == "ddp":
+                loss = loss * torch.nan
+            try:
+                with acc.microstep(loss) as step:
+                    if step.boundary:
+                        skipped.append(step.skipped)
+            except gradaccum.NonFiniteError as error:
+                skipped.append(str(error))  # type: ignore[arg-type]
+            if poison and kind == "fsdp1":
+                with torch.no_grad():  # the flat gradient shard that rank 1 holds
+                    next(model.parameters()).grad.view(-1)[0] = torch.nan
+    acc.close()
+    return Training(
+        params=full_params(model, kind),
+        global_step=acc.global_step,
+        collectives=dict(counter.collectives),
+        host_syncs=counter.host_syncs,
+        warnings=[repr(skipped), str(acc.skipped_steps)],
+    )
+
+
+def fail_inside_a_block(rank: int, world: int) -> Any:
+    """Rank 1's second microstep block raises; rank 0 goes on to its boundary."""
+    model = wrap("ddp", make_model())
+    start = [p.detach().clone() for p in model.parameters()]
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=4)
+    batches = rank_batches(rank, [2] * 8)
+    try:
+        for index, batch in enumerate(acc.epoch(batches)):
+            with acc.microstep(mean_loss(model, batch)):
+                if rank == 1 and index == 1:
+                    raise KeyError("rank 1 fails on purpose")
+    except gradaccum.RankFailedError as error:
+        unchanged = all(torch.equal(p, q) for p, q in zip(start, model.parameters(), strict=True))
+        return str(error), unchanged, acc.global_step
+    except KeyError:
+        try:  # the failed rank cannot carry on: its windows no longer line up
+            acc.microstep(mean_loss(model, batches[2]))
+        except gradaccum.UsageError as refused:
+            raise RuntimeError(f"refused: {refused}") from None
+    return "finished"
+
+
+def forwards_ahead(rank: int, world: int) -> list[str]:
+    """Both microbatches' forwards first, then both microstep blocks (steps=2): the
+    boundary's forward ran while DDP was set to defer."""
+    model = wrap("ddp", make_model())
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=2)
+    first, second = rank_batches(rank, [2] * 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", gradaccum.GradaccumWarning)
+        losses = [mean_loss(model, first), mean_loss(model, second)]
+        for loss in losses:
+            with acc.microstep(loss):
+                pass
+        for batch in acc.epoch([first, second]):  # the right order: no warning
+            with acc.microstep(mean_loss(model, batch)):
+                pass
+    acc.close()
+    return [str(w.message) for w in caught]
+
+
+def warm_up(rank: int, world: int) -> tuple[list[dict[str, int]], list[torch.Tensor], int]:
+    """``steps`` from a schedule, epoch by epoch (1, then 4); collectives per epoch."""
+    model = wrap("ddp", make_model())
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    schedule = {0: 1, 1: 4}
+    counts = []
+    for epoch in range(2):
+        acc.steps = gradaccum.steps_at_epoch(schedule, epoch)
+        counter = OpCounter()
+        with counter:
+            for batch in acc.epoch(rank_batches(rank, [2] * 9)):
+                with acc.microstep(mean_loss(model, batch)):
+                    pass
+        counts.append(dict(counter.collectives))
+    acc.close()
+    return counts, full_params(model, "ddp"), acc.global_step
