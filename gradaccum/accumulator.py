@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import itertools
-import math
 import warnings
-import weakref
 from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence, Sized
-from typing import Any, NamedTuple, NoReturn, TypeVar, get_args
+from typing import Any, Literal, NamedTuple, NoReturn, TypeVar, get_args
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim.lr_scheduler import ReduceLROnPlateau
 from typing_extensions import Self
 
-from gradaccum import faults
+from gradaccum import checks, faults, misuse
 from gradaccum.errors import (
     ConfigError,
     ConfigTypeError,
@@ -38,9 +35,7 @@ from gradaccum.sync import (
 __all__ = ["Accumulator", "Step"]
 
 T = TypeVar("T")
-_END = object()  # an iterator's end, for next()
 _STATE_VERSION = 2
-_NONFINITE = (None, "raise", "skip")
 
 
 class Step:
@@ -163,15 +158,15 @@ class Accumulator:
         scaler: torch.amp.GradScaler | None = None,
         drop_last: bool = True,
         sync: SyncPolicy = "auto",
-        on_nonfinite: str | None = None,
+        on_nonfinite: Literal["raise", "skip"] | None = None,
     ) -> None:
-        _check_parts(model, optimizer, scheduler)
+        checks.check_parts(model, optimizer, scheduler)
         self._steps = check_steps(steps)
-        self._max_grad_norm = _check_max_grad_norm(max_grad_norm)
-        self._scaler = _check_scaler(scaler)
+        self._max_grad_norm = checks.check_max_grad_norm(max_grad_norm)
+        self._scaler = checks.check_scaler(scaler)
         check_bool(drop_last, "drop_last")
-        _check_choice(sync, "sync", get_args(SyncPolicy))
-        _check_on_nonfinite(on_nonfinite, self._scaler)
+        checks.check_choice(sync, "sync", get_args(SyncPolicy))
+        checks.check_on_nonfinite(on_nonfinite, self._scaler)
         self._sync: SyncPolicy = sync
         self.model = model
         self._use(self._strategy_for(self._steps))
@@ -180,7 +175,7 @@ class Accumulator:
         self.scheduler = scheduler
         self._drop_last = drop_last
         self._on_nonfinite = on_nonfinite
-        self._params = _unique_params(optimizer)
+        self._params = checks.unique_params(optimizer)
         self._device = self._params[0].device  # where the scalar collectives' tensors live
         self._warned_lengths = False
         self._global_step = 0
@@ -192,7 +187,9 @@ class Accumulator:
         self._in_block = False
         self._block = _Microstep(self)  # holds a loss from microstep() until it is entered
         self._stepping = False  # the accumulator itself is stepping optimizer or scheduler
-        self._scheduled = _scheduler_steps(scheduler)  # to notice scheduler.step() by hand
+        # scheduler.step() by hand shows as a last_epoch that moved between our steps.
+        self._scheduled = _scheduler_steps(scheduler)
+        self._watch_scheduler = self._scheduled is not None
         self._closed = False  # closed, or broken by a failure under several ranks
         self._released = False  # the hook is removed and the module state restored
         self._broken: str | None = None
@@ -200,8 +197,7 @@ class Accumulator:
         self._reset_window()
         optimizer.zero_grad(set_to_none=True)
         self._hook = optimizer.register_step_pre_hook(self._refuse_foreign_step)
-        _live.add(self)
-        _watch_clipping()
+        misuse.watch_clipping(self)
 
     def _strategy_for(self, steps: int) -> SyncStrategy:
         # With steps=1 every microstep is a boundary: nothing is ever deferred.
@@ -224,7 +220,7 @@ class Accumulator:
         self._losses: list[torch.Tensor] = []
         self._items: list[int | torch.Tensor] = []
         self._pending: Step | None = None  # the boundary step, between enter and exit
-        self._opened: int | None = None  # where in the epoch it starts, once handed out
+        self._closed_at = self._position  # a later hand-out opens the next window
         self._unscaled = False
         self._idle = Step(boundary=False, global_step=self._global_step)
         self._arm()
@@ -270,20 +266,23 @@ class Accumulator:
             try:
                 strategy = self._strategy_for(steps)
             except BaseException:
+                self._use(self._strategy_for(self._steps))  # as it was: it was accepted
                 self._armed = None
                 self._arm()
                 raise
             self._use(strategy)
             self._armed = None
         self._steps = steps
-        opened = self._opened  # a microbatch of the new window may be handed out already
+        # The new window's first microbatch may be handed out already (set at the top of
+        # the loop body): then the window starts one before the position.
+        handed, closed_at = self._position > self._closed_at, self._closed_at
         self._reset_window()
-        self._opened = opened
-        start = self._position if opened is None else opened
+        self._closed_at = closed_at
+        start = self._position - handed
         if self._length is not None:  # re-plan the rest of the sized epoch
             if self._drop_last:
                 self._end = start + (self._length - start) // steps * steps
-            elif opened is not None:
+            elif handed:
                 self._size = min(steps, self._length - start)
                 self._arm()
 
@@ -338,10 +337,10 @@ class Accumulator:
         if self._closed or self._in_block or self._block.loss is not None:
             self._refuse_microstep()
         if not (isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.requires_grad):
-            _refuse_loss(loss)
+            checks.refuse_loss(loss)
         by_items = num_items is not None
         if by_items:
-            _check_num_items(num_items)
+            checks.check_num_items(num_items)
         if self._pos > 0 and by_items is not self._by_items:
             msg = (
                 f"microstep {self._pos + 1} of this window "
@@ -509,11 +508,13 @@ class Accumulator:
                 # The scale only shrinks when inf/NaN gradients made step() skip.
                 skipped = self._scaler.get_scale() < scale
             if self.scheduler is not None and not skipped:
-                moved = _scheduler_steps(self.scheduler)
-                if self._scheduled is not None and moved != self._scheduled:
-                    self._warn_scheduler(moved)
+                if self._watch_scheduler:
+                    moved = self.scheduler.last_epoch
+                    if self._scheduled is not None and moved != self._scheduled:
+                        self._warn_scheduler(moved)
                 self.scheduler.step()
-                self._scheduled = _scheduler_steps(self.scheduler)
+                if self._watch_scheduler:
+                    self._scheduled = self.scheduler.last_epoch
         finally:
             self._stepping = False
         return skipped
@@ -564,6 +565,15 @@ class Accumulator:
             self._scaler.update(self._scaler.get_scale())
         self.optimizer.zero_grad(set_to_none=True)
         self._reset_window()
+
+    def _partial_window(self, clipped: set[int]) -> str | None:
+        """Why clipping the parameters whose ids are ``clipped`` now would clip a partial
+        window of this accumulator, or None."""
+        if self._pending is not None or not (self._pos > 0 or self._in_block):
+            return None  # between windows, or in the boundary block: the whole window
+        if not any(id(param) in clipped for param in self._params):
+            return None
+        return f"microstep {self._pos + 1} of {self._size}"
 
     def _refuse_foreign_step(self, *_: object) -> None:
         if self._stepping:
@@ -669,17 +679,22 @@ class Accumulator:
                 f"iterable ended after {start}; pass the same data"
             )
             raise ConfigError(msg)
+        self._position = self._closed_at = start
         if n is not None and planned is not None:
             # `steps` may change at a window boundary: the setter re-plans `_end`.
             self._length, self._end = n, planned
             while seen < self._end:
-                item = next(iterator, _END)
-                if item is _END:
-                    msg = f"the iterable ended after {seen} items; its len() promised {n}"
-                    raise ConfigError(msg)
-                seen += 1
-                self._hand_out(seen, n - seen)
-                yield item  # type: ignore[misc]  # not _END
+                end = self._end
+                for item in itertools.islice(iterator, end - seen):
+                    seen += 1
+                    self._hand_out(seen, n - seen)
+                    yield item
+                    if self._end != end:
+                        break
+                else:
+                    if seen < end:
+                        msg = f"the iterable ended after {seen} items; its len() promised {n}"
+                        raise ConfigError(msg)
             self._length = None
         elif self._ranks > 1:
             seen = yield from self._agreed_windows(iterator, seen)
@@ -738,8 +753,6 @@ class Accumulator:
             remaining: How many follow it in the epoch, when known.
         """
         self._position = position
-        if self._pos == 0:
-            self._opened = position - 1
         if self._drop_last:
             return
         if self._pos == 0 and remaining is not None:
@@ -939,6 +952,7 @@ class Accumulator:
     def close(self) -> None:
         """Remove the optimizer hook and restore any sync state set on the model."""
         self._closed = True
+        misuse.forget(self)
         if not self._released:
             self._released = True
             self._hook.remove()
@@ -990,132 +1004,13 @@ class _Microstep:
         self._acc._exit(error)
 
 
-# Validation and helpers -----------------------------------------------------------
-
-
-def _check_parts(model: object, optimizer: object, scheduler: object) -> None:
-    if not isinstance(model, nn.Module):
-        msg = f"model must be a torch.nn.Module, got {describe(model)}"
-        raise ConfigTypeError(msg)
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        msg = f"optimizer must be a torch.optim.Optimizer, got {describe(optimizer)}"
-        raise ConfigTypeError(msg)
-    trainable = {id(param) for param in model.parameters() if param.requires_grad}
-    if not trainable:
-        msg = (
-            f"model ({type(model).__name__}) has no parameter that requires grad, so there "
-            "is nothing to accumulate; unfreeze some parameters (requires_grad_(True))"
-        )
-        raise ConfigError(msg)
-    if not any(id(param) in trainable for param in _unique_params(optimizer)):
-        msg = (
-            "optimizer holds none of the model's trainable parameters, so no step would "
-            "change the model; build it on model.parameters()"
-        )
-        raise ConfigError(msg)
-    if scheduler is None:
-        return
-    if isinstance(scheduler, ReduceLROnPlateau):
-        msg = (
-            "scheduler=ReduceLROnPlateau needs a metric for each step; pass scheduler=None "
-            "and call its step(metric) yourself after a boundary"
-        )
-        raise ConfigTypeError(msg)
-    if not callable(getattr(scheduler, "step", None)):
-        msg = f"scheduler must have a step() method (an LRScheduler), got {describe(scheduler)}"
-        raise ConfigTypeError(msg)
-    bound = getattr(scheduler, "optimizer", optimizer)
-    if bound is not optimizer:
-        msg = (
-            f"scheduler steps another optimizer ({type(bound).__name__}) than the one given; "
-            "create the scheduler on the optimizer passed to the Accumulator"
-        )
-        raise ConfigError(msg)
-
-
-def _check_choice(value: object, name: str, choices: tuple[object, ...]) -> None:
-    """Refuse ``value`` unless it is one of the (str or None) ``choices``."""
-    if value in choices and isinstance(value, (str, type(None))):
-        return
-    accepted = ", ".join(repr(choice) for choice in choices)
-    msg = f"{name} must be one of {accepted}, got {describe(value)}"
-    raise ConfigTypeError(msg) if not isinstance(value, str) else ConfigError(msg)
-
-
-def _check_on_nonfinite(value: object, scaler: torch.amp.GradScaler | None) -> None:
-    _check_choice(value, "on_nonfinite", _NONFINITE)
-    if value == "raise" and scaler is not None:
-        msg = (
-            "on_nonfinite='raise' with an enabled GradScaler would raise on the overflows "
-            "the scaler expects and skips; pass on_nonfinite='skip' or None"
-        )
-        raise ConfigError(msg)
+# Helpers -----------------------------------------------------------------------
 
 
 def _scheduler_steps(scheduler: Any) -> int | None:
     """How far ``scheduler`` has stepped (``last_epoch``), when it says."""
     steps = getattr(scheduler, "last_epoch", None)
     return steps if isinstance(steps, int) else None
-
-
-def _check_max_grad_norm(value: object) -> float | None:
-    if value is None:
-        return None
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        msg = f"max_grad_norm must be a positive number or None, got {describe(value)}"
-        raise ConfigTypeError(msg)
-    if math.isnan(value) or value <= 0:
-        msg = (
-            f"max_grad_norm must be a positive number or None, got {value}; "
-            "pass None for no clipping or math.inf to only report the norm"
-        )
-        raise ConfigError(msg)
-    return float(value)
-
-
-def _check_scaler(scaler: object) -> torch.amp.GradScaler | None:
-    if scaler is None:
-        return None
-    if not isinstance(scaler, torch.amp.GradScaler):
-        msg = f"scaler must be a torch.amp.GradScaler or None, got {describe(scaler)}"
-        raise ConfigTypeError(msg)
-    return scaler if scaler.is_enabled() else None
-
-
-def _refuse_loss(loss: object) -> None:
-    """Raise the error that says why ``loss`` cannot be back-propagated as a microstep."""
-    if not isinstance(loss, torch.Tensor):
-        msg = f"loss must be a torch.Tensor, got {describe(loss)}"
-        raise ConfigTypeError(msg)
-    if loss.dim() != 0:
-        msg = (
-            f"loss must be a 0-dim tensor, got shape {tuple(loss.shape)}; reduce it with "
-            ".mean(), or with .sum() and num_items=..."
-        )
-        raise ConfigError(msg)
-    if not loss.requires_grad:
-        msg = (
-            "loss does not require grad; compute it from the model's output, "
-            "outside torch.no_grad()"
-        )
-        raise ConfigError(msg)
-
-
-def _check_num_items(num_items: object) -> None:
-    if isinstance(num_items, torch.Tensor):
-        if num_items.dim() != 0:
-            msg = f"num_items must be a 0-dim tensor, got shape {tuple(num_items.shape)}"
-            raise ConfigError(msg)
-        return
-    check_count(num_items, "num_items")
-
-
-def _unique_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    seen: dict[int, torch.Tensor] = {}
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            seen.setdefault(id(param), param)
-    return list(seen.values())
 
 
 def _scale_grads(
@@ -1145,57 +1040,3 @@ def _length(iterable: Iterable[Any]) -> int | None:
         return len(iterable)
     except TypeError:  # a DataLoader over an IterableDataset has __len__ but may raise
         return None
-
-
-# The user's own clipping ----------------------------------------------------------
-
-_live: weakref.WeakSet[Accumulator] = weakref.WeakSet()
-_clip_functions: dict[str, Any] = {}
-
-
-def _watch_clipping() -> None:
-    """Wrap ``torch.nn.utils.clip_grad_norm_`` once, to warn when it clips a partial window.
-
-    The wrapper forwards every call unchanged; it only looks at the open accumulators
-    (a weak set) and warns when one of them is between the microsteps of a window and
-    owns a parameter being clipped. Code that imported the function before the first
-    Accumulator was built keeps the unwrapped one.
-    """
-    if _clip_functions:
-        return
-    original = nn.utils.clip_grad_norm_
-
-    def clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        parameters = _clip_off_boundary(parameters)
-        return original(parameters, *args, **kwargs)
-
-    clip_grad_norm_.__doc__ = original.__doc__
-    clip_grad_norm_.__wrapped__ = original  # type: ignore[attr-defined]
-    _clip_functions["original"] = original
-    for module in (nn.utils, nn.utils.clip_grad):
-        module.clip_grad_norm_ = clip_grad_norm_  # type: ignore[attr-defined]
-
-
-def _clip_off_boundary(parameters: Any) -> Any:
-    """Warn if an open window's partial gradient is among ``parameters``; return them."""
-    open_windows = [
-        acc
-        for acc in list(_live)
-        if not acc._closed and acc._pending is None and (acc._pos > 0 or acc._in_block)
-    ]
-    if not open_windows:
-        return parameters
-    parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    clipped = {id(param) for param in parameters}
-    for acc in open_windows:
-        if any(id(param) in clipped for param in acc._params):
-            warnings.warn(
-                f"clip_grad_norm_ was called on microstep {acc._pos + 1} of {acc._size}, "
-                "before the window's gradient is complete, so it clips a partial sum; pass "
-                "max_grad_norm= to the Accumulator, or clip inside the boundary's block "
-                "(when step.boundary is True)",
-                GradaccumWarning,
-                stacklevel=3,
-            )
-            break
-    return parameters

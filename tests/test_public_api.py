@@ -62,7 +62,8 @@ def test_errors_subclass_the_matching_builtins() -> None:
 
 
 @pytest.mark.parametrize(
-    "module", ["accumulator", "cli", "errors", "faults", "schedule", "sync", "verify"]
+    "module",
+    ["accumulator", "checks", "cli", "errors", "faults", "misuse", "schedule", "sync", "verify"],
 )
 def test_docstring_examples_run(module: str) -> None:
     """Every `Example:` in the docstrings is executed and its output checked."""

@@ -1,0 +1,145 @@
+"""Argument checks for `Accumulator`: each refuses before any work, naming the argument,
+the value and what is accepted (the catalog is docs/bad-input.md)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import ReduceLROnPlateau
+
+from gradaccum.errors import ConfigError, ConfigTypeError, describe
+from gradaccum.schedule import check_count
+
+__all__ = [
+    "check_choice",
+    "check_max_grad_norm",
+    "check_num_items",
+    "check_on_nonfinite",
+    "check_parts",
+    "check_scaler",
+    "refuse_loss",
+    "unique_params",
+]
+
+NONFINITE = (None, "raise", "skip")
+
+
+def check_parts(model: object, optimizer: object, scheduler: object) -> None:
+    if not isinstance(model, nn.Module):
+        msg = f"model must be a torch.nn.Module, got {describe(model)}"
+        raise ConfigTypeError(msg)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        msg = f"optimizer must be a torch.optim.Optimizer, got {describe(optimizer)}"
+        raise ConfigTypeError(msg)
+    trainable = {id(param) for param in model.parameters() if param.requires_grad}
+    if not trainable:
+        msg = (
+            f"model ({type(model).__name__}) has no parameter that requires grad, so there "
+            "is nothing to accumulate; unfreeze some parameters (requires_grad_(True))"
+        )
+        raise ConfigError(msg)
+    if not any(id(param) in trainable for param in unique_params(optimizer)):
+        msg = (
+            "optimizer holds none of the model's trainable parameters, so no step would "
+            "change the model; build it on model.parameters()"
+        )
+        raise ConfigError(msg)
+    if scheduler is None:
+        return
+    if isinstance(scheduler, ReduceLROnPlateau):
+        msg = (
+            "scheduler=ReduceLROnPlateau needs a metric for each step; pass scheduler=None "
+            "and call its step(metric) yourself after a boundary"
+        )
+        raise ConfigTypeError(msg)
+    if not callable(getattr(scheduler, "step", None)):
+        msg = f"scheduler must have a step() method (an LRScheduler), got {describe(scheduler)}"
+        raise ConfigTypeError(msg)
+    bound = getattr(scheduler, "optimizer", optimizer)
+    if bound is not optimizer:
+        msg = (
+            f"scheduler steps another optimizer ({type(bound).__name__}) than the one given; "
+            "create the scheduler on the optimizer passed to the Accumulator"
+        )
+        raise ConfigError(msg)
+
+
+def check_choice(value: object, name: str, choices: tuple[object, ...]) -> None:
+    """Refuse ``value`` unless it is one of the (str or None) ``choices``."""
+    if value in choices and isinstance(value, (str, type(None))):
+        return
+    accepted = ", ".join(repr(choice) for choice in choices)
+    msg = f"{name} must be one of {accepted}, got {describe(value)}"
+    raise ConfigTypeError(msg) if not isinstance(value, str) else ConfigError(msg)
+
+
+def check_on_nonfinite(value: object, scaler: torch.amp.GradScaler | None) -> None:
+    check_choice(value, "on_nonfinite", NONFINITE)
+    if value == "raise" and scaler is not None:
+        msg = (
+            "on_nonfinite='raise' with an enabled GradScaler would raise on the overflows "
+            "the scaler expects and skips; pass on_nonfinite='skip' or None"
+        )
+        raise ConfigError(msg)
+
+
+def check_max_grad_norm(value: object) -> float | None:
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        msg = f"max_grad_norm must be a positive number or None, got {describe(value)}"
+        raise ConfigTypeError(msg)
+    if math.isnan(value) or value <= 0:
+        msg = (
+            f"max_grad_norm must be a positive number or None, got {value}; "
+            "pass None for no clipping or math.inf to only report the norm"
+        )
+        raise ConfigError(msg)
+    return float(value)
+
+
+def check_scaler(scaler: object) -> torch.amp.GradScaler | None:
+    if scaler is None:
+        return None
+    if not isinstance(scaler, torch.amp.GradScaler):
+        msg = f"scaler must be a torch.amp.GradScaler or None, got {describe(scaler)}"
+        raise ConfigTypeError(msg)
+    return scaler if scaler.is_enabled() else None
+
+
+def refuse_loss(loss: object) -> None:
+    """Raise the error that says why ``loss`` cannot be back-propagated as a microstep."""
+    if not isinstance(loss, torch.Tensor):
+        msg = f"loss must be a torch.Tensor, got {describe(loss)}"
+        raise ConfigTypeError(msg)
+    if loss.dim() != 0:
+        msg = (
+            f"loss must be a 0-dim tensor, got shape {tuple(loss.shape)}; reduce it with "
+            ".mean(), or with .sum() and num_items=..."
+        )
+        raise ConfigError(msg)
+    if not loss.requires_grad:
+        msg = (
+            "loss does not require grad; compute it from the model's output, "
+            "outside torch.no_grad()"
+        )
+        raise ConfigError(msg)
+
+
+def check_num_items(num_items: object) -> None:
+    if isinstance(num_items, torch.Tensor):
+        if num_items.dim() != 0:
+            msg = f"num_items must be a 0-dim tensor, got shape {tuple(num_items.shape)}"
+            raise ConfigError(msg)
+        return
+    check_count(num_items, "num_items")
+
+
+def unique_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    seen: dict[int, torch.Tensor] = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            seen.setdefault(id(param), param)
+    return list(seen.values())
