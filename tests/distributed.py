@@ -13,7 +13,15 @@ from torch import nn
 import gradaccum
 from gradaccum.sync import full_tensor
 from gradaccum.verify import OpCounter, launch, results, wrapper
-from tests.helpers import Batch, make_batches, make_model, mean_loss, sum_loss
+from tests.helpers import (
+    Batch,
+    load_checkpoint,
+    make_batches,
+    make_model,
+    mean_loss,
+    save_checkpoint,
+    sum_loss,
+)
 
 PROCESS_GROUP_TIMEOUT = 30.0  # seconds: a rank stuck in a collective fails, not hangs
 
@@ -229,8 +237,6 @@ def verify_rows_with_late_arming(rank: int, world: int) -> Any:
 def resume(rank: int, world: int, stop: int, include_grads: bool) -> dict[str, bool]:
     """Two DDP epochs uninterrupted, against a run stopped after ``stop`` microsteps,
     checkpointed (every rank its own state), rebuilt from scratch and resumed."""
-    import io
-
     batches = rank_batches(rank, [2] * 13, torch.float32)
 
     def build() -> tuple[Any, Any, Any, gradaccum.Accumulator]:
@@ -256,30 +262,14 @@ def resume(rank: int, world: int, stop: int, include_grads: bool) -> dict[str, b
     train_on(whole, 2)
     first = build()
     train_on(first, 2, stop)
-    model, optimizer, scheduler, acc = first
-    buffer = io.BytesIO()
-    torch.save(
-        {
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "acc": acc.state_dict(include_grads=include_grads),
-        },
-        buffer,
-    )
-    acc.close()
-    del first, model, optimizer, scheduler, acc
-    resumed = build()
-    model, optimizer, scheduler, acc = resumed
-    state = torch.load(io.BytesIO(buffer.getvalue()))
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    acc.load_state_dict(state["acc"])
+    blob = save_checkpoint(first, include_grads=include_grads)
+    first[3].close()
+    del first
+    model, optimizer, scheduler, acc = load_checkpoint(build(), blob)
     for batch in acc.epoch(batches):  # the rest of the interrupted epoch
         with acc.microstep(mean_loss(model, batch)):
             pass
-    train_on(resumed, 1 if stop < 12 else 0)
+    train_on((model, optimizer, scheduler, acc), 1 if stop < 12 else 0)
     a, b = whole[0], model
     return {
         "params": all(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import io
+from typing import Any
 
 import torch
 from torch import nn
@@ -68,3 +70,30 @@ def max_param_diff(a: nn.Module, b: nn.Module) -> float:
 
 def sgd(model: nn.Module, lr: float = 0.1) -> torch.optim.SGD:
     return torch.optim.SGD(model.parameters(), lr=lr)
+
+
+def save_checkpoint(parts: tuple[Any, ...], *, include_grads: bool = False) -> bytes:
+    """``(model, optimizer, scheduler, acc)``'s states, as the guide's checkpoint saves them."""
+    model, optimizer, scheduler, acc = parts
+    buffer = io.BytesIO()
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "acc": acc.state_dict(include_grads=include_grads),
+        },
+        buffer,
+    )
+    return buffer.getvalue()
+
+
+def load_checkpoint(parts: tuple[Any, ...], blob: bytes) -> tuple[Any, ...]:
+    """Load `save_checkpoint`'s ``blob`` into fresh ``(model, optimizer, scheduler, acc)``."""
+    model, optimizer, scheduler, acc = parts
+    state = torch.load(io.BytesIO(blob))
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    acc.load_state_dict(state["acc"])
+    return parts

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
 import pytest
 import torch
 
 import gradaccum
-from tests.helpers import make_batches, make_model, mean_loss
+from tests.helpers import load_checkpoint, make_batches, make_model, mean_loss, save_checkpoint
 
 BATCHES = make_batches([3] * 13, dtype=torch.float32)
 
@@ -37,29 +36,11 @@ def train(parts, epochs: int, stop_after: int | None = None) -> None:
 
 
 def save(parts) -> bytes:
-    model, optimizer, scheduler, acc = parts
-    buffer = io.BytesIO()
-    torch.save(
-        {
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "acc": acc.state_dict(),
-        },
-        buffer,
-    )
-    return buffer.getvalue()
+    return save_checkpoint(parts)
 
 
 def load(blob: bytes):
-    parts = build()
-    model, optimizer, scheduler, acc = parts
-    state: dict[str, Any] = torch.load(io.BytesIO(blob))
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    acc.load_state_dict(state["acc"])
-    return parts
+    return load_checkpoint(build(), blob)
 
 
 def assert_same_run(a, b) -> None:
