@@ -80,7 +80,8 @@ def test_wrappings_are_detected_through_compile() -> None:
 
 @pytest.mark.usefixtures("process_group")
 def test_ddp_static_graph_is_refused_when_deferring() -> None:
-    """static_graph=True cannot skip its first all-reduce: refused, unless nothing defers."""
+    """static_graph=True cannot skip its first all-reduce: refused, unless nothing defers;
+    also when steps is raised from 1 later, which leaves the accumulator as it was."""
     from torch.nn.parallel import DistributedDataParallel
 
     ddp = DistributedDataParallel(make_model(), static_graph=True)
@@ -94,6 +95,13 @@ def test_ddp_static_graph_is_refused_when_deferring() -> None:
                 pass
         assert acc.global_step == 4 // steps
         acc.close()
+    acc = gradaccum.Accumulator(ddp, sgd(ddp), steps=1)
+    with pytest.raises(gradaccum.ConfigError, match="static_graph=True"):
+        acc.steps = 2  # from 1 the policy would start deferring
+    for batch in acc.epoch(make_batches([2] * 2)):  # still steps=1, still all-reducing
+        with acc.microstep(mean_loss(ddp, batch)):
+            pass
+    assert (acc.steps, acc.global_step, ddp.require_backward_grad_sync) == (1, 2, True)
 
 
 class Wrapper(nn.Module):
