@@ -386,7 +386,7 @@ class AccumulatorMachine(RuleBasedStateMachine):
 
 
 # A few thousand sequences in CI; the "long" profile's count when it asks for more.
-EXAMPLES = max(2_000, settings.default.max_examples)
+EXAMPLES = max(3_000, settings.default.max_examples)
 AccumulatorMachine.TestCase.settings = settings(
     max_examples=EXAMPLES,
     stateful_step_count=30,
