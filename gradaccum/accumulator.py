@@ -464,10 +464,11 @@ class Accumulator:
         scalar all-reduce when several ranks hold the gradients."""
         if norm is None:
             norm = grad_norm(self._params)
-        bad = (~torch.isfinite(norm)).to(device=self._device, dtype=torch.int32)
+        finite = torch.isfinite(norm)
         if self._ranks > 1:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self._group)
-        return not bad.item()
+            finite = finite.to(device=self._device, dtype=torch.int32)
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=self._group)
+        return bool(finite.item())
 
     def _exit(self, error: BaseException | None) -> None:
         self._in_block = False
