@@ -136,15 +136,28 @@ def train(
                         window = []
                     if step.boundary and step.grad_norm is not None:
                         norms.append(step.grad_norm.clone())
+    return finish(
+        model,
+        kind,
+        acc,
+        counter,
+        grad_norms=norms,
+        warnings=[str(w.message) for w in caught],
+        loss_error=max(abs(float(got - want)) for got, want in losses),
+    )
+
+
+def finish(
+    model: nn.Module, kind: str, acc: gradaccum.Accumulator, counter: OpCounter, **rest: Any
+) -> Training:
+    """Close ``acc`` and report the rank's `Training`; ``rest`` fills its other fields."""
     acc.close()
     return Training(
         params=full_params(model, kind),
         global_step=acc.global_step,
         collectives=dict(counter.collectives),
         host_syncs=counter.host_syncs,
-        grad_norms=norms,
-        warnings=[str(w.message) for w in caught],
-        loss_error=max(abs(float(got - want)) for got, want in losses),
+        **rest,
     )
 
 
@@ -323,14 +336,7 @@ def nonfinite(rank: int, world: int, kind: str, on_nonfinite: str) -> Training:
             if poison and kind == "fsdp1":
                 with torch.no_grad():  # the flat gradient shard that rank 1 holds
                     next(model.parameters()).grad.view(-1)[0] = torch.nan
-    acc.close()
-    return Training(
-        params=full_params(model, kind),
-        global_step=acc.global_step,
-        collectives=dict(counter.collectives),
-        host_syncs=counter.host_syncs,
-        warnings=[repr(skipped), str(acc.skipped_steps)],
-    )
+    return finish(model, kind, acc, counter, warnings=[repr(skipped), str(acc.skipped_steps)])
 
 
 def fail_inside_a_block(rank: int, world: int) -> Any:
