@@ -821,7 +821,9 @@ class Accumulator:
                 msg = (
                     f"state_dict(include_grads=True) cannot save this window: under "
                     f"{type(self._strategy).__name__} its partial gradient is held by the "
-                    "wrapper, not in param.grad; checkpoint after a window's last microstep"
+                    "wrapper (unsharded buffers, a pending all-reduce) or sharded over the "
+                    "ranks, which gradaccum does not save; checkpoint after a window's last "
+                    "microstep"
                 )
                 raise UsageError(msg)
             state["window"] = {
