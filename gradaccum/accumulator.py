@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import warnings
 from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence, Sized
-from typing import Any, Literal, NamedTuple, NoReturn, TypeVar, get_args
+from typing import Any, NamedTuple, NoReturn, TypeVar, get_args
 
 import torch
 import torch.distributed as dist
@@ -13,6 +13,7 @@ from torch import nn
 from typing_extensions import Self
 
 from gradaccum import checks, faults, misuse
+from gradaccum.checks import NonFinitePolicy
 from gradaccum.errors import (
     ConfigError,
     ConfigTypeError,
@@ -158,9 +159,9 @@ class Accumulator:
         scaler: torch.amp.GradScaler | None = None,
         drop_last: bool = True,
         sync: SyncPolicy = "auto",
-        on_nonfinite: Literal["raise", "skip"] | None = None,
+        on_nonfinite: NonFinitePolicy | None = None,
     ) -> None:
-        checks.check_parts(model, optimizer, scheduler)
+        params = checks.check_parts(model, optimizer, scheduler)
         self._steps = check_steps(steps)
         self._max_grad_norm = checks.check_max_grad_norm(max_grad_norm)
         self._scaler = checks.check_scaler(scaler)
@@ -175,7 +176,7 @@ class Accumulator:
         self.scheduler = scheduler
         self._drop_last = drop_last
         self._on_nonfinite = on_nonfinite
-        self._params = checks.unique_params(optimizer)
+        self._params = params
         self._device = self._params[0].device  # where the scalar collectives' tensors live
         self._warned_lengths = False
         self._global_step = 0
@@ -771,8 +772,8 @@ class Accumulator:
         else:
             msg = (
                 f"the iterable's epoch of {n} microbatches gives no optimizer step with "
-                f"steps={self._steps} "
-                f"and drop_last=True; lower steps to at most {n}, or pass drop_last=False"
+                f"steps={self._steps} and drop_last=True; lower steps to at most {n}, or "
+                "pass drop_last=False"
             )
         if discarded:
             msg += " (its gradient was discarded)"
@@ -817,25 +818,28 @@ class Accumulator:
             "sync": self._sync,
         }
         if self._pos > 0:
-            if not getattr(self._strategy, "grads_in_params", False):
-                msg = (
-                    f"state_dict(include_grads=True) cannot save this window: under "
-                    f"{type(self._strategy).__name__} its partial gradient is held by the "
-                    "wrapper (unsharded buffers, a pending all-reduce) or sharded over the "
-                    "ranks, which gradaccum does not save; checkpoint after a window's last "
-                    "microstep"
-                )
-                raise UsageError(msg)
-            state["window"] = {
-                "microsteps": self._pos,
-                "size": self._size,
-                "divisor": self._den,
-                "by_items": self._by_items,
-                "items": list(self._items),
-                "losses": [loss.detach() for loss in self._losses],
-                "grads": [_grad_copy(param) for param in self._params],
-            }
+            self._check_grads_in_params("state_dict(include_grads=True) cannot save")
+            state["window"] = _Window(
+                microsteps=self._pos,
+                size=self._size,
+                divisor=self._den,
+                by_items=self._by_items,
+                items=list(self._items),
+                losses=[loss.detach() for loss in self._losses],
+                grads=[_grad_copy(param) for param in self._params],
+            )._asdict()
         return state
+
+    def _check_grads_in_params(self, refused: str) -> None:
+        """Refuse to save or load an open window where its gradient is not ``param.grad``."""
+        if not getattr(self._strategy, "grads_in_params", False):
+            msg = (
+                f"{refused} this window: under {type(self._strategy).__name__} its partial "
+                "gradient is held by the wrapper (unsharded buffers, a pending all-reduce) "
+                "or sharded over the ranks, which gradaccum does not save; checkpoint after "
+                "a window's last microstep"
+            )
+            raise UsageError(msg)
 
     def load_state_dict(
         self, state: Mapping[str, Any], *, allow_steps_change: bool = False
@@ -876,13 +880,13 @@ class Accumulator:
         if skipped > global_step:
             msg = f"state['skipped_steps'] is {skipped}, more than its {global_step} windows"
             raise ConfigError(msg)
-        check_bool(state.get("drop_last"), "state['drop_last']")
+        drop_last = check_bool(state.get("drop_last"), "state['drop_last']")
         window = state.get("window")
-        if state.get("drop_last") != self._drop_last:
+        if drop_last != self._drop_last:
             msg = (
-                f"the state was saved with drop_last={state.get('drop_last')!r} but this "
-                f"Accumulator has drop_last={self._drop_last!r}; construct it with "
-                f"drop_last={state.get('drop_last')!r} to resume"
+                f"the state was saved with drop_last={drop_last!r} but this Accumulator has "
+                f"drop_last={self._drop_last!r}; construct it with drop_last={drop_last!r} "
+                "to resume"
             )
             raise ConfigError(msg)
         if steps != self._steps and not (allow_steps_change and position == 0 and not window):
@@ -909,7 +913,6 @@ class Accumulator:
                 param.grad = None if grad is None else grad.to(param.device).clone()
             self._pos, self._size, self._den = saved.microsteps, saved.size, saved.divisor
             self._by_items, self._items, self._losses = saved.by_items, saved.items, saved.losses
-            self._idle = Step(boundary=False, global_step=global_step)
             self._arm()
 
     def _check_window(self, window: object) -> _Window:
@@ -942,12 +945,7 @@ class Accumulator:
                 "shapes differ); load it into an Accumulator built like the saved one"
             )
             raise ConfigError(msg)
-        if not getattr(self._strategy, "grads_in_params", False):
-            msg = (
-                f"a window saved mid-way cannot be loaded under {type(self._strategy).__name__}, "
-                "which keeps partial gradients outside param.grad"
-            )
-            raise UsageError(msg)
+        self._check_grads_in_params("load_state_dict() cannot restore")
         return _Window(pos, size, divisor, by_items, list(items), list(losses), grads)
 
     # Lifetime ---------------------------------------------------------------------

@@ -4,6 +4,7 @@ the value and what is accepted (the catalog is docs/bad-input.md)."""
 from __future__ import annotations
 
 import math
+from typing import Literal, get_args
 
 import torch
 from torch import nn
@@ -13,6 +14,7 @@ from gradaccum.errors import ConfigError, ConfigTypeError, describe
 from gradaccum.schedule import check_count
 
 __all__ = [
+    "NonFinitePolicy",
     "check_choice",
     "check_max_grad_norm",
     "check_num_items",
@@ -23,10 +25,13 @@ __all__ = [
     "unique_params",
 ]
 
-NONFINITE = (None, "raise", "skip")
+NonFinitePolicy = Literal["raise", "skip"]
+"""What `Accumulator` does with a window whose gradient holds inf/NaN (``None``: nothing)."""
 
 
-def check_parts(model: object, optimizer: object, scheduler: object) -> None:
+def check_parts(model: object, optimizer: object, scheduler: object) -> list[torch.Tensor]:
+    """Check the model, optimizer and scheduler together; return the optimizer's
+    parameters, each once, in order."""
     if not isinstance(model, nn.Module):
         msg = f"model must be a torch.nn.Module, got {describe(model)}"
         raise ConfigTypeError(msg)
@@ -40,14 +45,15 @@ def check_parts(model: object, optimizer: object, scheduler: object) -> None:
             "is nothing to accumulate; unfreeze some parameters (requires_grad_(True))"
         )
         raise ConfigError(msg)
-    if not any(id(param) in trainable for param in unique_params(optimizer)):
+    params = unique_params(optimizer)
+    if not any(id(param) in trainable for param in params):
         msg = (
             "optimizer holds none of the model's trainable parameters, so no step would "
             "change the model; build it on model.parameters()"
         )
         raise ConfigError(msg)
     if scheduler is None:
-        return
+        return params
     if isinstance(scheduler, ReduceLROnPlateau):
         msg = (
             "scheduler=ReduceLROnPlateau needs a metric for each step; pass scheduler=None "
@@ -64,6 +70,7 @@ def check_parts(model: object, optimizer: object, scheduler: object) -> None:
             "create the scheduler on the optimizer passed to the Accumulator"
         )
         raise ConfigError(msg)
+    return params
 
 
 def check_choice(value: object, name: str, choices: tuple[object, ...]) -> None:
@@ -76,7 +83,7 @@ def check_choice(value: object, name: str, choices: tuple[object, ...]) -> None:
 
 
 def check_on_nonfinite(value: object, scaler: torch.amp.GradScaler | None) -> None:
-    check_choice(value, "on_nonfinite", NONFINITE)
+    check_choice(value, "on_nonfinite", (None, *get_args(NonFinitePolicy)))
     if value == "raise" and scaler is not None:
         msg = (
             "on_nonfinite='raise' with an enabled GradScaler would raise on the overflows "
