@@ -298,18 +298,33 @@ def resume(rank: int, world: int, stop: int, include_grads: bool) -> dict[str, b
     }
 
 
-def checkpoint_mid_window(rank: int, world: int, kind: str) -> str:
-    """``state_dict(include_grads=True)`` after 2 of 4 microsteps under ``kind``."""
+def checkpoint_mid_window(rank: int, world: int, kind: str) -> list[str]:
+    """``state_dict(include_grads=True)`` after 2 of 4 microsteps under ``kind``; then
+    loading, into a fresh accumulator on it, a window saved by a plain module of the same
+    shapes. What each raised."""
     model = wrap(kind, make_model())
-    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=4)
-    for batch in rank_batches(rank, [2] * 2):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, optimizer, steps=4)
+    batches = rank_batches(rank, [2] * 2)
+    for batch in batches:
         with acc.microstep(mean_loss(model, batch)):
             pass
+    refused = []
     try:
         acc.state_dict(include_grads=True)
     except gradaccum.UsageError as error:
-        return str(error)
-    return "saved"
+        refused.append(str(error))
+    acc.close()
+    plain = make_model()
+    local = gradaccum.Accumulator(plain, torch.optim.SGD(plain.parameters(), lr=0.1), steps=4)
+    with local.microstep(mean_loss(plain, batches[0])):
+        pass
+    fresh = gradaccum.Accumulator(model, optimizer, steps=4)
+    try:
+        fresh.load_state_dict(local.state_dict(include_grads=True))
+    except gradaccum.GradaccumError as error:
+        refused.append(f"{type(error).__name__}: {error}")
+    return refused
 
 
 def nonfinite(rank: int, world: int, kind: str, on_nonfinite: str) -> Training:

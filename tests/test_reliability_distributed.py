@@ -30,10 +30,16 @@ def test_ddp_resume_is_bit_for_bit(stop: int, include_grads: bool) -> None:
 
 @pytest.mark.parametrize("kind", ["fully_shard", "fsdp1"])
 def test_sharded_mid_window_checkpoint_is_refused(kind: str) -> None:
-    """Where the partial gradient lives inside the wrapper, include_grads says so."""
-    for message in run(distributed.checkpoint_mid_window, 2, kind):
-        assert "cannot save this window" in message
-        assert "held by the wrapper" in message
+    """Where the partial gradient lives inside the wrapper, include_grads says so, and a
+    saved window is not loaded there either (FSDP1's flat shards do not even fit)."""
+    for saving, loading in run(distributed.checkpoint_mid_window, 2, kind):
+        assert "state_dict(include_grads=True) cannot save this window" in saving
+        assert "held by the wrapper" in saving
+        if kind == "fully_shard":
+            assert loading.startswith("UsageError: load_state_dict() cannot restore this")
+            assert "held by the wrapper" in loading
+        else:
+            assert loading.startswith("ConfigError: state['window'] does not fit")
 
 
 @pytest.mark.parametrize("kind", ["ddp", "fsdp1"])
