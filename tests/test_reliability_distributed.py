@@ -46,11 +46,16 @@ def test_sharded_mid_window_checkpoint_is_refused(kind: str) -> None:
 @pytest.mark.parametrize("on_nonfinite", ["skip", "raise"])
 def test_nonfinite_window_is_decided_alike_on_every_rank(kind: str, on_nonfinite: str) -> None:
     """Rank 1 alone poisons window 2 (under FSDP1 only its own shard): every rank skips
-    it, or raises for it, and the others are applied exactly as the reference."""
+    it, or raises for it, and the others are applied exactly as the reference; the
+    agreement costs one scalar all-reduce per window, counted."""
     trainings = run(distributed.nonfinite, 2, kind, on_nonfinite)
     windows = global_windows([[2] * 12] * 2, 2)
     expected = list(reference_sgd(make_model(), [windows[0], windows[2]], lr=0.1).parameters())
+    # All-reduces: the epoch-length agreement, then per window the flag (one scalar),
+    # besides DDP's one gradient all-reduce per window.
+    all_reduces = 1 + 3 * (2 if kind == "ddp" else 1)
     for training in trainings:
+        assert training.collectives["c10d::allreduce_"] == all_reduces
         decisions, skipped = training.warnings
         if on_nonfinite == "skip":
             assert decisions == "[False, True, False]"
