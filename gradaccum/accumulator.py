@@ -1,42 +1,44 @@
-"""`Accumulator`: the window state machine that turns N microbatches into one optimizer step."""
+"""`Accumulator`: the facade that turns N microbatches into one optimizer step.
+
+It holds a few parts, each owning its own state: the open `Window` and the `Lifecycle`
+(window.py), the `EpochPlan` (plan.py), the checkpoint record (record.py), the `Stepper`
+(stepping.py), the boundary's tensor work (boundary.py), the `Ranks` (ranks.py) and the
+sync strategy (sync.py). The facade wires them in the order a training loop calls it.
+"""
 
 from __future__ import annotations
 
 import itertools
-import warnings
-from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence, Sized
-from typing import Any, NamedTuple, NoReturn, TypeVar, get_args
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
+from dataclasses import dataclass
+from typing import Any, NoReturn, TypeVar, get_args
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from typing_extensions import Self
 
-from gradaccum import checks, faults, misuse
+from gradaccum import boundary, checks, misuse, record, stepping
 from gradaccum.checks import NonFinitePolicy
 from gradaccum.errors import (
     ConfigError,
     ConfigTypeError,
-    GradaccumWarning,
     NonFiniteError,
     RankFailedError,
     UsageError,
     describe,
+    warn,
 )
-from gradaccum.schedule import check_bool, check_count, check_steps, steps_per_epoch, total_steps
-from gradaccum.sync import (
-    DDPSync,
-    SyncPolicy,
-    SyncStrategy,
-    clip_grad_norm,
-    grad_norm,
-    strategy_for,
-)
+from gradaccum.plan import EpochPlan, check_epoch_length
+from gradaccum.ranks import Ranks
+from gradaccum.schedule import check_bool, check_steps
+from gradaccum.sync import SyncPolicy, SyncStrategy, strategy_for
+from gradaccum.window import Lifecycle, State, Window
 
 __all__ = ["Accumulator", "Step"]
 
 T = TypeVar("T")
-_STATE_VERSION = 2
+_END: Any = object()  # an iterator ran out
 
 
 class Step:
@@ -131,6 +133,8 @@ class Accumulator:
             skips overflowing windows by design, only ``None`` and ``"skip"`` apply.
 
     Raises:
+        UsageError: The optimizer is owned by another open accumulator whose window is
+            open (one between windows is closed, with a warning, and this one takes over).
         ConfigTypeError: An argument has the wrong type.
         ConfigError: An argument has a value outside what is accepted, the model has
             no trainable parameter or the optimizer holds none of them, or the model's
@@ -162,84 +166,78 @@ class Accumulator:
         on_nonfinite: NonFinitePolicy | None = None,
     ) -> None:
         params = checks.check_parts(model, optimizer, scheduler)
-        self._steps = check_steps(steps)
-        self._max_grad_norm = checks.check_max_grad_norm(max_grad_norm)
-        self._scaler = checks.check_scaler(scaler)
-        check_bool(drop_last, "drop_last")
-        checks.check_choice(sync, "sync", get_args(SyncPolicy))
-        checks.check_on_nonfinite(on_nonfinite, self._scaler)
-        self._sync: SyncPolicy = sync
+        steps = check_steps(steps)
+        scaler = checks.check_scaler(scaler)
+        self._options = _Options(
+            max_grad_norm=checks.check_max_grad_norm(max_grad_norm),
+            scaler=scaler,
+            drop_last=check_bool(drop_last, "drop_last"),
+            sync=checks.check_choice(sync, "sync", get_args(SyncPolicy)),
+            on_nonfinite=checks.check_on_nonfinite(on_nonfinite, scaler),
+        )
+        previous = stepping.owner_of(optimizer)
+        if previous is not None and previous._window.is_open:
+            msg = (
+                f"optimizer is owned by another open Accumulator, whose window is open "
+                f"({previous._window.where()}); finish that window and close() it, or "
+                "pass another optimizer"
+            )
+            raise UsageError(msg)
         self.model = model
-        self._use(self._strategy_for(self._steps))
+        self._strategy = self._strategy_for(steps)
         # Everything is validated: from here on the accumulator changes state.
+        if previous is not None:
+            previous._life.close(" (a newer Accumulator took over its optimizer)")
+            previous._release()
+            warn(
+                "this Accumulator closed the previous Accumulator on the same optimizer "
+                "(it was between windows), and steps the optimizer from now on; close() "
+                "an accumulator when you are done with it"
+            )
         self.optimizer = optimizer
         self.scheduler = scheduler
-        self._drop_last = drop_last
-        self._on_nonfinite = on_nonfinite
-        self._params = params
-        self._device = self._params[0].device  # where the scalar collectives' tensors live
-        self._warned_lengths = False
+        self._steps = steps
+        self._ranks = Ranks(self._strategy.group, params[0].device)
+        self._window = Window(steps)
+        self._plan = EpochPlan(self._options.drop_last)
+        self._life = Lifecycle()
+        self._grads = misuse.GradWatch()
+        self._block = _Microstep(self)
         self._global_step = 0
         self._skipped = 0
-        self._position = 0  # microbatches of the current epoch handed out by `epoch`
-        self._length: int | None = None  # the current epoch's agreed length, when known
-        self._end = 0  # the microbatches of the current sized epoch that are trained on
-        self._resume_at = 0  # microbatches `epoch` skips after `load_state_dict`
-        self._in_block = False
-        self._block = _Microstep(self)  # holds a loss from microstep() until it is entered
-        self._stepping = False  # the accumulator itself is stepping optimizer or scheduler
-        # scheduler.step() by hand shows as a last_epoch that moved between our steps.
-        self._scheduled = _scheduler_steps(scheduler)
-        self._watch_scheduler = self._scheduled is not None
-        self._closed = False  # closed, or broken by a failure under several ranks
-        self._released = False  # the hook is removed and the module state restored
-        self._broken: str | None = None
         self._armed: bool | None = None  # what the strategy was last told
-        self._reset_window()
         optimizer.zero_grad(set_to_none=True)
-        self._hook = optimizer.register_step_pre_hook(self._refuse_foreign_step)
+        self._stepper = stepping.Stepper(self, optimizer, scheduler, scaler, self._open_where)
         misuse.watch_clipping(self)
+        self._arm()
 
     def _strategy_for(self, steps: int) -> SyncStrategy:
         # With steps=1 every microstep is a boundary: nothing is ever deferred.
-        return strategy_for(self.model, "every" if steps == 1 else self._sync)
-
-    def _use(self, strategy: SyncStrategy) -> None:
-        self._strategy = strategy
-        self._group = strategy.group
-        self._ranks = 1 if self._group is None else dist.get_world_size(self._group)
-        self._clip = getattr(strategy, "clip_grad_norm", clip_grad_norm)
-        self._ddp = strategy if isinstance(strategy, DDPSync) else None
-
-    # Window state -----------------------------------------------------------------
-
-    def _reset_window(self) -> None:
-        self._pos = 0  # microsteps back-propagated in this window
-        self._size = self._steps  # microsteps in this window
-        self._den = self._steps  # what mean-mode losses were divided by
-        self._by_items = False  # this window passes num_items (set by its first microstep)
-        self._losses: list[torch.Tensor] = []
-        self._items: list[int | torch.Tensor] = []
-        self._pending: Step | None = None  # the boundary step, between enter and exit
-        self._closed_at = self._position  # a later hand-out opens the next window
-        self._unscaled = False
-        self._idle = Step(boundary=False, global_step=self._global_step)
-        self._arm()
+        return strategy_for(self.model, "every" if steps == 1 else self._options.sync)
 
     def _arm(self) -> None:
-        """Set the next backward's communication, calling the strategy only on a change."""
-        sync = self.sync_gradients or self._sync == "every"
+        """Arm the next backward before its forward: sync if the next microstep is the
+        boundary or the policy is "every"; the strategy is called only on a change."""
+        sync = self._window.next_is_boundary or self._options.sync == "every"
         if sync is not self._armed:
             self._armed = sync
             self._strategy.arm(sync)
+
+    def _open_where(self) -> str | None:
+        """Where the open window stands ("microstep k of n"), or None between windows."""
+        return self._window.where() if self._window.is_open else None
+
+    # Properties -------------------------------------------------------------------
 
     @property
     def steps(self) -> int:
         """Microbatches per optimizer step; settable between windows.
 
         A new value applies from the next window on, also in the middle of an epoch
-        (whose remaining microbatches are then cut into windows of the new size): a
-        warm-up of accumulation, e.g. ``acc.steps = steps_at_epoch(schedule, epoch)``.
+        (whose remaining microbatches are then cut into windows of the new size), and
+        also at the top of the loop body, after the next window's first microbatch was
+        handed out: a warm-up of accumulation, e.g.
+        ``acc.steps = steps_at_epoch(schedule, epoch)``.
 
         Raises:
             ConfigTypeError, ConfigError: The value is not a positive int.
@@ -252,40 +250,24 @@ class Accumulator:
     @steps.setter
     def steps(self, value: int) -> None:
         steps = check_steps(value)
-        if self._closed:
-            msg = "steps was set on a closed Accumulator; create a new one"
-            raise UsageError(msg)
-        if self._pos > 0 or self._in_block:
+        self._life.check("steps was set; it")
+        if self._window.is_open:
             msg = (
-                f"steps was set to {steps} mid-window ({self._pos} of {self._size} "
-                "microsteps back-propagated); set it after the `with` block of the window's "
-                "last microstep has exited"
+                f"steps was set to {steps} mid-window ({self._window.done} of "
+                f"{self._window.size} microsteps back-propagated); set it after the `with` "
+                "block of the window's last microstep has exited"
             )
             raise UsageError(msg)
         if (steps == 1) is not (self._steps == 1):  # the policy becomes, or stops being, "every"
+            strategy = self._strategy_for(steps)  # may refuse: then nothing has changed
             self._strategy.restore()
-            try:
-                strategy = self._strategy_for(steps)
-            except BaseException:
-                self._use(self._strategy_for(self._steps))  # as it was: it was accepted
-                self._armed = None
-                self._arm()
-                raise
-            self._use(strategy)
-            self._armed = None
+            self._strategy, self._armed = strategy, None
         self._steps = steps
-        # The new window's first microbatch may be handed out already (set at the top of
-        # the loop body): then the window starts one before the position.
-        handed, closed_at = self._position > self._closed_at, self._closed_at
-        self._reset_window()
-        self._closed_at = closed_at
-        start = self._position - handed
-        if self._length is not None:  # re-plan the rest of the sized epoch
-            if self._drop_last:
-                self._end = start + (self._length - start) // steps * steps
-            elif handed:
-                self._size = min(steps, self._length - start)
-                self._arm()
+        plan = self._plan
+        plan.recut()
+        # A microbatch handed out already (set at the top of the loop body) opens the window.
+        self._window.reset(plan.window_size(steps, 0) if plan.pending else steps)
+        self._arm()
 
     @property
     def global_step(self) -> int:
@@ -302,12 +284,12 @@ class Accumulator:
     def position(self) -> int:
         """Microbatches of the current epoch handed out by `epoch`; after `load_state_dict`,
         the microbatches the next `epoch` skips because they were trained on already."""
-        return self._position
+        return self._plan.position
 
     @property
     def sync_gradients(self) -> bool:
         """True from before the window's last microbatch is handed out until its block exits."""
-        return self._pos == self._size - 1
+        return self._window.next_is_boundary
 
     # Microsteps -------------------------------------------------------------------
 
@@ -328,23 +310,25 @@ class Accumulator:
 
         Raises:
             UsageError: The accumulator is closed, a microstep block is already open,
-                or this window mixes ``num_items`` with plain mean losses.
+                this window mixes ``num_items`` with plain mean losses, or the window's
+                gradient was cleared by a ``zero_grad()`` since its last microstep.
             ConfigTypeError: ``loss`` or ``num_items`` has the wrong type.
             ConfigError: ``loss`` is not a 0-dim tensor that requires grad, or
                 ``num_items`` is a negative int or a tensor that is not 0-dim (a
                 tensor's value is not read, to avoid a host sync).
         """
-        # The checks are one cheap condition each on the hot path; messages are built on failure.
-        if self._closed or self._in_block or self._block.loss is not None:
+        window = self._window
+        # One cheap condition each on the hot path; messages are built on failure.
+        if self._life.state is not State.OPEN or window.in_block or self._block.loss is not None:
             self._refuse_microstep()
         if not (isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.requires_grad):
             checks.refuse_loss(loss)
         by_items = num_items is not None
         if by_items:
             checks.check_num_items(num_items)
-        if self._pos > 0 and by_items is not self._by_items:
+        if window.done and by_items is not window.by_items:
             msg = (
-                f"microstep {self._pos + 1} of this window "
+                f"microstep {window.done + 1} of this window "
                 f"{'passes' if by_items else 'omits'} num_items but the window's first "
                 f"microstep did {'not' if by_items else 'so'}; pass num_items on every "
                 "microstep of a window or on none"
@@ -355,15 +339,8 @@ class Accumulator:
         return self._block
 
     def _refuse_microstep(self) -> NoReturn:
-        if self._broken is not None:
-            msg = (
-                f"microstep() was called after {self._broken}: the ranks' windows no longer "
-                "line up, so this accumulator takes no more microsteps; restart every rank "
-                "from the last checkpoint"
-            )
-        elif self._closed:
-            msg = "microstep() was called on a closed Accumulator; create a new one"
-        elif self._block.loss is not None:
+        self._life.check("microstep()")
+        if self._block.loss is not None:
             self._block.loss = None  # drop the stale loss so that the corrected loop can run
             msg = (
                 "the previous acc.microstep(...) was never entered, so its loss was not "
@@ -377,223 +354,171 @@ class Accumulator:
         raise UsageError(msg)
 
     def _enter(self, loss: torch.Tensor, num_items: int | torch.Tensor | None) -> Step:
-        self._in_block = True
-        if self._ddp is not None and self._ddp.seen:
-            self._check_forward(self._ddp)
-        if self._pos == 0:
-            self._den = self._size
-            self._by_items = num_items is not None
+        window = self._window
+        window.in_block = True
+        self._plan.pending = False
         try:
-            scaled = loss if num_items is not None or self._den == 1 else loss / self._den
-            if self._scaler is not None:
-                scaled = self._scaler.scale(scaled)
+            if window.done == 0:
+                window.open(num_items is not None)
+            elif self._grads.wiped():
+                self._refuse_wiped()
+            seen = self._strategy.unsynced_forward()
+            if seen is not None:
+                self._warn_forward(seen)
+            scaled = loss if num_items is not None or window.divisor == 1 else loss / window.divisor
+            if self._options.scaler is not None:
+                scaled = self._options.scaler.scale(scaled)
             scaled.backward()  # type: ignore[no-untyped-call]  # torch leaves it untyped
-            self._losses.append(loss)
+            window.losses.append(loss)
             if num_items is not None:
-                self._items.append(num_items)
-            if self._pos != self._size - 1:  # sync_gradients, inlined on the hot path
-                return self._idle
-            self._pending = self._prepare_boundary()
+                window.items.append(num_items)
+            if not window.next_is_boundary:
+                if self._strategy.grads_in_params:
+                    if window.done:
+                        self._grads.update()
+                    else:
+                        self._grads.start(boundary.params_of(self.optimizer))
+                return self._block.idle
+            self._block.step = self._prepare_boundary()
         except BaseException as error:
-            self._in_block = False
-            self._fail(error)
+            window.in_block = False
+            self._fail(error, in_collectives=True)
             raise
-        return self._pending
+        return self._block.step
 
-    def _check_forward(self, ddp: DDPSync) -> None:
-        """Warn when this loss's forward (the oldest not yet back-propagated) saw another
-        sync flag than this backward needs: DDP decided in that forward."""
-        seen = ddp.seen.popleft()
-        if seen is not ddp.armed:
-            warnings.warn(
-                f"the forward of microstep {self._pos + 1} of {self._size} ran while DDP was "
-                f"set to {'all-reduce' if seen else 'defer'} for another microstep, so this "
-                f"backward will {'' if seen else 'not '}all-reduce"
-                f"{' and the window gradient is not synced' if not seen else ''}; run each "
-                "microbatch's forward right before its `with acc.microstep(loss):` block",
-                GradaccumWarning,
-                stacklevel=4,
-            )
+    def _refuse_wiped(self) -> NoReturn:
+        msg = (
+            f"the gradient of this window's first {self._window.done} microsteps was cleared "
+            "since the last one, by optimizer.zero_grad() or model.zero_grad() inside the "
+            "window; remove that call: the accumulator clears the gradients after each "
+            "window's optimizer step (the window is discarded)"
+        )
+        raise UsageError(msg)
+
+    def _warn_forward(self, seen: bool) -> None:
+        """This loss's forward (the oldest not yet back-propagated) saw another sync state
+        than this backward needs: the wrapper decided in that forward."""
+        window = self._window
+        warn(
+            f"the forward of {window.where()} ran while DDP was set to "
+            f"{'all-reduce' if seen else 'defer'} for another microstep, so this backward "
+            f"will {'' if seen else 'not '}all-reduce"
+            f"{' and the window gradient is not synced' if not seen else ''}; run each "
+            "microbatch's forward right before its `with acc.microstep(loss):` block"
+        )
 
     def _prepare_boundary(self) -> Step:
         """Normalize, unscale, clip and check the window's gradient: what the block sees."""
-        count = len(self._losses)
-        divisor: int | torch.Tensor = count
-        if self._by_items:
-            divisor = sum(self._items, start=0)
-            if self._ranks > 1:
-                # Sum the items over ranks, and undo the wrapper's 1/ranks averaging. A copy:
-                # `divisor` stays this rank's count, for step.loss.
-                total = torch.as_tensor(divisor, device=self._device).clone()
-                dist.all_reduce(total, group=self._group)
-                _scale_grads(self._params, total / self._ranks, divide=True)
-            elif isinstance(divisor, int) and divisor == 0:
-                msg = f"the {count} microsteps of this window passed num_items summing to 0"
-                raise ConfigError(msg)
-            else:
-                _scale_grads(self._params, divisor, divide=True)
-        elif self._den != self._size:  # the epoch ended early: 1/den becomes 1/size
-            _scale_grads(self._params, self._den / self._size, divide=False)
-        if self._scaler is not None:
-            self._scaler.unscale_(self.optimizer)
-            self._unscaled = True
-        norm = None
-        if self._max_grad_norm is not None:
-            norm = self._clip(self._params, self._max_grad_norm)
+        window, options = self._window, self._options
+        params = boundary.params_of(self.optimizer)
+        divisor: int | torch.Tensor = len(window.losses)
+        if window.by_items:
+            divisor = boundary.normalize(params, window, self._ranks)
+        else:
+            boundary.rescale(params, window)
+        self._stepper.unscale()
+        norm = boundary.clip(self._strategy, params, options.max_grad_norm)
         step = Step(
             boundary=True,
             global_step=self._global_step + 1,
-            losses=self._losses,
+            losses=window.losses,
             divisor=divisor,
             grad_norm=norm,
             lr=self.optimizer.param_groups[0]["lr"],
         )
-        if self._on_nonfinite is not None and not self._finite(norm):
-            if self._on_nonfinite == "raise":
+        if options.on_nonfinite is not None and not boundary.all_finite(params, norm, self._ranks):
+            if options.on_nonfinite == "raise":
                 msg = (
                     f"the gradient of window {step.global_step} (the optimizer step after "
                     f"{self._global_step}) holds inf or NaN; nothing was applied. Pass "
                     "on_nonfinite='skip' to skip such windows, or find the microbatch "
                     "whose loss is not finite"
                 )
-                raise NonFiniteError(msg)
+                raise NonFiniteError(msg, step.global_step)
             step.skipped = True
         return step
 
-    def _finite(self, norm: torch.Tensor | None) -> bool:
-        """Whether the window's gradient is finite on every rank: one host sync, and one
-        scalar all-reduce when several ranks hold the gradients."""
-        if norm is None:
-            norm = grad_norm(self._params)
-        finite = torch.isfinite(norm)
-        if self._ranks > 1:
-            finite = finite.to(device=self._device, dtype=torch.int32)
-            dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=self._group)
-        return bool(finite.item())
-
     def _exit(self, error: BaseException | None) -> None:
-        self._in_block = False
-        step = self._pending
+        window = self._window
+        window.in_block = False
+        step, self._block.step = self._block.step, None
         if error is not None:
             self._fail(error)
         elif step is None:
-            self._pos += 1
-            if self._pos == self._size - 1:  # the next microstep is the boundary
+            window.done += 1
+            if window.next_is_boundary:
                 self._arm()
         else:
             try:
                 if step.skipped:
-                    self._skip()
+                    self._stepper.skip()
                 else:
-                    step.skipped = self._apply()
+                    step.skipped = self._stepper.apply()
             except BaseException as failure:
-                self._fail(failure)
+                applied = self._stepper.applied
+                if applied:  # the optimizer stepped: the window counts, though it failed
+                    self._close_window(skipped=False)
+                self._fail(failure, applied=applied)
                 raise
-            self._skipped += step.skipped
-            self.optimizer.zero_grad(set_to_none=True)
-            self._global_step += 1
-            self._reset_window()
-            if self._ddp is not None:
-                self._ddp.seen.clear()  # a forward that no block used is not carried over
+            self._close_window(skipped=step.skipped)
 
-    def _apply(self) -> bool:
-        """Step the optimizer (and scaler) and the scheduler; return whether it was skipped."""
-        self._stepping = True
-        try:
-            if self._scaler is None:
-                self.optimizer.step()
-                skipped = False
-            else:
-                scale = self._scaler.get_scale()
-                self._scaler.step(self.optimizer)
-                self._scaler.update()
-                # The scale only shrinks when inf/NaN gradients made step() skip.
-                skipped = self._scaler.get_scale() < scale
-            if self.scheduler is not None and not skipped:
-                if self._watch_scheduler:
-                    moved = self.scheduler.last_epoch
-                    if self._scheduled is not None and moved != self._scheduled:
-                        self._warn_scheduler(moved)
-                self.scheduler.step()
-                if self._watch_scheduler:
-                    self._scheduled = self.scheduler.last_epoch
-        finally:
-            self._stepping = False
-        return skipped
+    def _close_window(self, *, skipped: bool) -> None:
+        """Count the window that closed (applied or skipped) and start the next."""
+        self._skipped += skipped
+        self._global_step += 1
+        self._plan.close_window()
+        self._clear_window()
+        self._strategy.forget_forwards()
 
-    def _skip(self) -> None:
-        """A skipped window: no optimizer or scheduler step; a scaler still backs off."""
-        if self._scaler is not None:
-            self._scaler.update()  # unscale_ recorded the inf/NaN: the scale shrinks
+    def _clear_window(self) -> None:
+        """Clear the window's gradient and state, so that the next microstep starts clean."""
+        self._stepper.clear()
+        self._grads.stop()
+        self._window.reset(self._steps)
+        self._block.idle = Step(boundary=False, global_step=self._global_step)
+        self._arm()
 
-    def _warn_scheduler(self, moved: int | None) -> None:
-        warnings.warn(
-            f"the scheduler was stepped outside the accumulator (its last_epoch moved from "
-            f"{self._scheduled} to {moved} between the accumulator's steps); the "
-            "accumulator steps it once per applied window: remove the scheduler.step() call "
-            "(after loading a scheduler's state, also load the accumulator's)",
-            GradaccumWarning,
-            stacklevel=5,
-        )
+    def _fail(
+        self, error: BaseException, *, applied: bool = False, in_collectives: bool = False
+    ) -> None:
+        """After ``error``: drop the open window (unless it was applied, and so counted); under
+        several ranks, say which rank failed.
 
-    def _fail(self, error: BaseException) -> None:
-        """Drop the open window after ``error``; under several ranks, say which one failed.
-
-        A rank that raises while the others are inside the window's collectives records
-        the failure in the process group's store and refuses further microsteps: its
-        windows no longer line up with the others'. A rank whose collective fails raises
-        `RankFailedError` naming the rank that failed first, when it is recorded.
+        A rank that raises records the failure in the process group's store and refuses
+        further microsteps: its windows no longer line up with the others'. A rank whose
+        backward or boundary (``in_collectives``: where the collectives run) fails after
+        another rank recorded a failure raises `RankFailedError` naming that rank.
         """
-        self._discard_window()
-        if self._ranks == 1 or isinstance(error, NonFiniteError):  # every rank raised that
+        if not applied:
+            self._clear_window()
+        if self._ranks.count == 1 or isinstance(error, NonFiniteError):  # every rank raised that
             return
-        window = f"window {self._global_step + 1}"
-        self._closed = True
-        peer = faults.first_failure(self._group)
-        if peer is not None and peer[0] != dist.get_rank():
-            self._broken = f"rank {peer[0]} failed ({peer[1]})"
+        number = self._global_step + (not applied)
+        window = f"window {number}"
+        peer = self._ranks.first_failure() if in_collectives else None
+        if peer is not None:
+            self._life.break_(f"rank {peer[0]} failed ({peer[1]})")
+            me = self._ranks.rank
             raise RankFailedError(
-                f"rank {dist.get_rank()} stopped in {window} because rank {peer[0]} failed "
-                f"there first: {peer[1]}; no rank applied {window}. Restart every rank from "
-                "the last checkpoint"
+                f"rank {me} stopped in {window} because rank {peer[0]} failed there first: "
+                f"{peer[1]}; rank {me} {'applied' if applied else 'did not apply'} {window}. "
+                "Restart every rank from the last checkpoint",
+                peer[0],
+                number,
+                applied,
             ) from error
-        faults.record_failure(self._group, f"{type(error).__name__}: {error} (in {window})")
-        self._broken = f"this rank failed in {window} ({type(error).__name__}: {error})"
-
-    def _discard_window(self) -> None:
-        """Drop the open window's gradient so that the next microstep starts clean."""
-        if self._unscaled and self._scaler is not None:
-            # Clear the scaler's per-optimizer record of unscale_() without moving the scale.
-            self._scaler.update(self._scaler.get_scale())
-        self.optimizer.zero_grad(set_to_none=True)
-        self._reset_window()
+        what = f"{type(error).__name__}: {error} (in {window}{', after applying it' * applied})"
+        self._ranks.record_failure(what)
+        self._life.break_(f"this rank failed in {window} ({type(error).__name__}: {error})")
 
     def _partial_window(self, clipped: set[int]) -> str | None:
         """Why clipping the parameters whose ids are ``clipped`` now would clip a partial
         window of this accumulator, or None."""
-        if self._pending is not None or not (self._pos > 0 or self._in_block):
+        if self._block.step is not None or not self._window.is_open:
             return None  # between windows, or in the boundary block: the whole window
-        if not any(id(param) in clipped for param in self._params):
+        if not any(id(param) in clipped for param in boundary.params_of(self.optimizer)):
             return None
-        return f"microstep {self._pos + 1} of {self._size}"
-
-    def _refuse_foreign_step(self, *_: object) -> None:
-        if self._stepping:
-            return
-        if self._pos > 0 or self._in_block:
-            msg = (
-                f"optimizer.step() was called inside an accumulation window (microstep "
-                f"{self._pos + 1} of {self._size}); the accumulator steps the optimizer "
-                "when the window's last microstep block exits: remove the call"
-            )
-            raise UsageError(msg)
-        warnings.warn(
-            "optimizer.step() was called between windows while an Accumulator owns the "
-            "optimizer; it steps once when each window's last microstep block exits: "
-            "remove the call (or close() the accumulator first)",
-            GradaccumWarning,
-            stacklevel=3,
-        )
+        return self._window.where()
 
     # Epochs -----------------------------------------------------------------------
 
@@ -604,8 +529,11 @@ class Accumulator:
         length yields ``steps_per_epoch(n, steps) * steps`` microbatches; for an
         iterable without ``len`` the trailing partial window's gradient is discarded.
         With ``drop_last=False`` the trailing microbatches form one shorter window.
-        After `load_state_dict` the first epoch skips the microbatches already trained.
+        After `load_state_dict` the first epoch skips the microbatches already trained,
+        and cuts the rest into windows with the saved ``steps``.
 
+        The epoch is planned when its iteration starts (the first ``next()``), with the
+        ``steps`` set by then, and re-planned from each window's start after a change.
         When the model's gradients are averaged over several ranks, the ranks agree on
         the epoch's length first (one all-reduce) and all train on the shortest; an
         iterable without ``len`` is drawn a window at a time and each window's length
@@ -613,176 +541,131 @@ class Accumulator:
         another never calls. Unequal lengths warn once, on rank 0.
 
         Raises:
+            ConfigTypeError: ``iterable`` is not iterable.
             ConfigError: The epoch has too few microbatches for one optimizer step (for
                 an iterable without ``len`` this is known only at its end), or a loaded
-                position lies past its end.
-            UsageError: The accumulator is closed.
+                position lies past its end; raised by the first ``next()``.
+            UsageError: The accumulator is closed, or another of its epochs is still
+                being iterated (raised by the first ``next()``).
         """
-        if self._closed:
-            msg = "epoch() was called on a closed Accumulator; create a new one"
-            raise UsageError(msg)
+        self._life.check("epoch()")
         if not (isinstance(iterable, Iterable) or hasattr(type(iterable), "__getitem__")):
             msg = f"iterable must be an iterable of microbatches, got {describe(iterable)}"
             raise ConfigTypeError(msg)
+        return self._epoch(iterable)
+
+    def _epoch(self, iterable: Iterable[T]) -> Iterator[T]:
+        self._life.check("epoch()")
+        plan = self._plan
         n = _length(iterable)
-        planned = None
-        if n is not None and self._ranks > 1:
-            n, most = self._agree(n)
-            if most > n:
-                self._warn_unequal(
-                    f"the ranks' epochs have between {n} and {most} microbatches; every rank "
-                    f"trains on the first {n}"
-                )
         if n is not None:
-            self._check_epoch_length(n, discarded=False)
-            planned = steps_per_epoch(n, self._steps) * self._steps if self._drop_last else n
-            if self._resume_at > planned:
-                msg = (
-                    f"the loaded state resumes at microbatch {self._resume_at} of the epoch, "
-                    f"past the {planned} this epoch of {n} trains on; pass the same data"
-                )
-                raise ConfigError(msg)
-        return self._epoch(iterable, n, planned)
-
-    def _agree(self, n: int) -> tuple[int, int]:
-        """The least and the most of ``n`` over the ranks: one all-reduce, read on the host."""
-        ends = torch.tensor([n, -n], device=self._device)
-        dist.all_reduce(ends, op=dist.ReduceOp.MIN, group=self._group)
-        least, negated_most = ends.tolist()
-        return int(least), -int(negated_most)
-
-    def _warn_unequal(self, what: str) -> None:
-        """Warn once, on rank 0, that ranks had different amounts of data."""
-        if not self._warned_lengths and dist.get_rank() == 0:
-            warnings.warn(
-                f"{what}, so that no rank waits on a collective the others never call; "
-                "shard the data evenly (e.g. DistributedSampler) to train on all of it",
-                GradaccumWarning,
-                stacklevel=4,
+            n = self._ranks.agree(
+                n,
+                "the ranks' epochs have between {least} and {most} microbatches; every "
+                "rank trains on the first {least}",
             )
-        self._warned_lengths = True
-
-    def _epoch(self, iterable: Iterable[T], n: int | None, planned: int | None) -> Iterator[T]:
-        self._length = None
-        if self._pos > 0 and self._resume_at == 0:  # (a loaded partial window carries on)
-            warnings.warn(
-                f"discarding the {self._pos} microsteps of a window left open by the previous "
-                "epoch: windows never span epochs",
-                GradaccumWarning,
-                stacklevel=2,
-            )
-            self._discard_window()
-        skip, self._resume_at = self._resume_at, 0
-        iterator = iter(iterable)
-        seen = start = sum(1 for _ in itertools.islice(iterator, skip))
-        if start < skip:
-            msg = (
-                f"the loaded state resumes at microbatch {skip} of the epoch, but the "
-                f"iterable ended after {start}; pass the same data"
-            )
-            raise ConfigError(msg)
-        self._position = self._closed_at = start
-        if n is not None and planned is not None:
-            # `steps` may change at a window boundary: the setter re-plans `_end`.
-            self._length, self._end = n, planned
-            while seen < self._end:
-                end = self._end
-                for item in itertools.islice(iterator, end - seen):
-                    seen += 1
-                    self._hand_out(seen, n - seen)
-                    yield item
-                    if self._end != end:
-                        break
-                else:
-                    if seen < end:
-                        msg = f"the iterable ended after {seen} items; its len() promised {n}"
-                        raise ConfigError(msg)
-            self._length = None
-        elif self._ranks > 1:
-            seen = yield from self._agreed_windows(iterator, seen)
-        else:
-            seen = yield from self._look_ahead(iterator, seen)
-        self._position = 0
-        if self._pos > 0:
-            if planned is not None or not self._drop_last:
-                warnings.warn(
-                    f"discarding the {self._pos} microsteps of an incomplete window at the end "
-                    "of the epoch: call acc.microstep() once for every microbatch",
-                    GradaccumWarning,
-                    stacklevel=2,
+        skip = plan.begin(n, self._steps)
+        completed = False
+        try:
+            if self._window.is_open and not skip:
+                warn(
+                    f"discarding the {self._window.done} microsteps of a window left open by "
+                    "the previous epoch: windows never span epochs"
                 )
-            self._discard_window()
-        if planned is None:
-            self._check_epoch_length(seen, discarded=self._ranks == 1)
-
-    def _look_ahead(self, iterator: Iterator[T], seen: int) -> Generator[T, None, int]:
-        """An unsized epoch on one rank: one item ahead, so the last one is a boundary."""
-        held: tuple[T] | None = None
-        for item in iterator:
-            if held is not None:
-                self._hand_out(seen := seen + 1, None)
-                yield held[0]
-            held = (item,)
-        if held is not None:
-            self._hand_out(seen := seen + 1, 0)
-            yield held[0]
-        return seen
-
-    def _agreed_windows(self, iterator: Iterator[T], seen: int) -> Generator[T, None, int]:
-        """An unsized epoch on several ranks: each window's items are drawn first, and the
-        ranks agree on its length (one all-reduce per window), so none waits forever."""
-        while True:
-            window = list(itertools.islice(iterator, self._steps))
-            count, most = self._agree(len(window))
-            if most > count:
-                self._warn_unequal(
-                    "the ranks' iterables ended at different points; every rank stops "
-                    "where the shortest did"
-                )
-            if count == 0 or (count < self._steps and self._drop_last):
-                return seen + count
-            for offset, item in enumerate(window[:count]):
-                self._hand_out(seen := seen + 1, count - offset - 1)
+                self._clear_window()
+            iterator = iter(iterable)
+            if skip:
+                drawn = sum(1 for _ in itertools.islice(iterator, skip))
+                if drawn < skip:
+                    msg = (
+                        f"the loaded state resumes at microbatch {skip} of the epoch, but the "
+                        f"iterable ended after {drawn}; pass the same data"
+                    )
+                    raise ConfigError(msg)
+            source: Iterator[tuple[T, int | None]]
+            if n is not None:
+                source = self._sized(iterator, n)
+            elif self._ranks.count > 1:
+                source = self._agreed(iterator)
+            else:
+                source = _look_ahead(iterator)
+            for item, remaining in source:
+                self._hand_out(remaining)
                 yield item
-            if count < self._steps:
-                return seen
+            completed = True
+        finally:
+            if not completed:
+                plan.end(completed=False)
+        self._end_epoch(unsized=n is None)
 
-    def _hand_out(self, position: int, remaining: int | None) -> None:
-        """Size the window and arm its sync before a microbatch reaches the user's forward.
+    def _sized(self, iterator: Iterator[T], n: int) -> Iterator[tuple[T, int | None]]:
+        """A sized epoch: up to where the plan ends its trained microbatches, asked anew
+        before each hand-out (``steps`` may change between windows)."""
+        plan = self._plan
+        while plan.position < (plan.trained_end(self._steps) or 0):
+            item = next(iterator, _END)
+            if item is _END:
+                msg = f"the iterable ended after {plan.position} items; its len() promised {n}"
+                raise ConfigError(msg)
+            yield item, n - plan.position - 1
 
-        Args:
-            position: Microbatches of the epoch handed out, this one included.
-            remaining: How many follow it in the epoch, when known.
-        """
-        self._position = position
-        if self._drop_last:
-            return
-        if self._pos == 0 and remaining is not None:
-            self._size = min(self._steps, remaining + 1)
-        if remaining == 0:
-            self._size = self._pos + 1  # the epoch's last microbatch closes the window
+    def _agreed(self, iterator: Iterator[T]) -> Iterator[tuple[T, int | None]]:
+        """An unsized epoch on several ranks: what the open window still needs is drawn
+        first, and the ranks agree on how much they drew (one all-reduce per window), so
+        that none waits forever; every rank stops where the shortest did."""
+        ready: deque[T] = deque()
+        ended = False
+        while True:
+            need = self._window.size - self._window.done
+            if len(ready) < need and not ended:
+                wanted = need - len(ready)
+                drawn = list(itertools.islice(iterator, wanted))
+                count = self._ranks.agree(
+                    len(drawn),
+                    "the ranks' iterables ended at different points; every "
+                    "rank stops where the shortest did",
+                )
+                ready.extend(drawn[:count])
+                ended = count < wanted
+            if not ready or (ended and self._options.drop_last and len(ready) < need):
+                return  # the epoch's end, or a trailing partial window that is dropped
+            item = ready.popleft()
+            yield item, len(ready) if ended else None
+
+    def _hand_out(self, remaining: int | None) -> None:
+        """Size the window and arm its sync before a microbatch reaches the user's forward."""
+        self._plan.hand_out(remaining)
+        self._window.size = self._plan.window_size(self._steps, self._window.done)
         self._arm()
 
-    def _check_epoch_length(self, n: int, *, discarded: bool) -> None:
-        """The guard: an epoch that gives no optimizer step is a configuration error."""
-        if total_steps(n, self._steps, 1, self._drop_last) > 0:
-            return
-        if n == 0:
-            msg = "the epoch's iterable is empty: it gives no optimizer step"
+    def _end_epoch(self, *, unsized: bool) -> None:
+        """The epoch ran out: drop a window it left open, and (unsized) apply the guard."""
+        plan, window = self._plan, self._window
+        position, dropped = plan.position, plan.dropped(self._steps)
+        plan.end(completed=True)
+        if window.is_open:
+            if not dropped:
+                warn(
+                    f"discarding the {window.done} microsteps of an incomplete window at the "
+                    "end of the epoch: call acc.microstep() once for every microbatch"
+                )
+            self._clear_window()
         else:
-            msg = (
-                f"the iterable's epoch of {n} microbatches gives no optimizer step with "
-                f"steps={self._steps} and drop_last=True; lower steps to at most {n}, or "
-                "pass drop_last=False"
+            window.reset(self._steps)  # a trailing window's size does not carry over
+            self._arm()
+        if unsized:
+            check_epoch_length(
+                position, self._steps, self._options.drop_last, discarded=self._ranks.count == 1
             )
-        if discarded:
-            msg += " (its gradient was discarded)"
-        raise ConfigError(msg)
 
     # Checkpoints ------------------------------------------------------------------
 
     def state_dict(self, *, include_grads: bool = False) -> dict[str, Any]:
         """The accumulator's state, to save beside the model's, optimizer's and scheduler's.
+
+        Accepted between windows, also at the top of the loop body (a microbatch handed
+        out but not back-propagated is handed out again after the resume), and with
+        ``include_grads`` after any microstep's block.
 
         Args:
             include_grads: Also save an open window: its gradients so far (this rank's:
@@ -791,48 +674,53 @@ class Accumulator:
                 the partial gradient is ``param.grad`` (a plain module, DDP).
 
         Returns:
-            ``steps``, the ``position`` in the current epoch (microbatches handed out),
+            ``steps``, the ``position`` in the current epoch (microbatches trained on),
             ``global_step``, ``skipped_steps`` and the policy (``drop_last``, ``sync``);
-            with ``include_grads`` and an open window, also ``window``.
+            with ``include_grads`` and an open window, also ``window``. See
+            `gradaccum.record.StateDict`.
 
         Raises:
             UsageError: A window is open without ``include_grads``, a microstep block is
                 open, or the wrapping keeps the partial gradient outside ``param.grad``.
         """
         check_bool(include_grads, "include_grads")
-        if self._in_block or (self._pos > 0 and not include_grads):
+        window = self._window
+        if window.in_block or (window.done and not include_grads):
             msg = (
-                f"state_dict() was called mid-window ({self._pos} of {self._size} microsteps "
-                "back-propagated); checkpoint after the `with` block of the window's last "
-                "microstep has exited, e.g. when acc.global_step has just changed, or pass "
-                "include_grads=True (outside a `with` block) to save the partial window"
+                f"state_dict() was called mid-window ({window.done} of {window.size} "
+                "microsteps back-propagated); checkpoint after the `with` block of the "
+                "window's last microstep has exited, e.g. when acc.global_step has just "
+                "changed, or pass include_grads=True (outside a `with` block) to save the "
+                "partial window"
             )
             raise UsageError(msg)
-        state: dict[str, Any] = {
-            "version": _STATE_VERSION,
-            "steps": self._steps,
-            "position": self._position,
-            "global_step": self._global_step,
-            "skipped_steps": self._skipped,
-            "drop_last": self._drop_last,
-            "sync": self._sync,
-        }
-        if self._pos > 0:
+        saved = None
+        if window.done:
             self._check_grads_in_params("state_dict(include_grads=True) cannot save")
-            state["window"] = _Window(
-                microsteps=self._pos,
-                size=self._size,
-                divisor=self._den,
-                by_items=self._by_items,
-                items=list(self._items),
-                losses=[loss.detach() for loss in self._losses],
-                grads=[_grad_copy(param) for param in self._params],
-            )._asdict()
-        return state
+            saved = record.SavedWindow(
+                microsteps=window.done,
+                size=window.size,
+                divisor=window.divisor,
+                by_items=window.by_items,
+                items=list(window.items),
+                losses=[loss.detach() for loss in window.losses],
+                grads=[_grad_copy(param) for param in boundary.params_of(self.optimizer)],
+            )
+        return dict(
+            record.Checkpoint(
+                steps=self._steps,
+                position=self._plan.checkpoint_position(window.done),
+                global_step=self._global_step,
+                skipped_steps=self._skipped,
+                drop_last=self._options.drop_last,
+                sync=self._options.sync,
+                window=saved,
+            ).to_dict()
+        )
 
     def _check_grads_in_params(self, refused: str) -> None:
         """Refuse to save or load an open window where its gradient is not ``param.grad``."""
-        if not getattr(self._strategy, "grads_in_params", False):
+        if not self._strategy.grads_in_params:
             msg = (
                 f"{refused} this window: under {type(self._strategy).__name__} its partial "
                 "gradient is held by the wrapper (unsharded buffers, a pending all-reduce) "
@@ -847,98 +735,62 @@ class Accumulator:
         """Resume from `state_dict`: restores ``global_step`` and where the epoch was.
 
         The next `epoch` skips the ``position`` microbatches already trained on, so pass
-        the same data in the same order. A state with a ``window`` restores its
-        gradients: the next microstep continues that window.
+        the same data in the same order, and cuts the rest into windows of ``steps``. A
+        state with a ``window`` restores its gradients: the next microstep continues
+        that window.
 
         Args:
             state: From `state_dict`.
             allow_steps_change: Load a state saved with another ``steps`` and keep this
-                accumulator's; only at an epoch boundary (``position`` 0, no window).
+                accumulator's from the next window on; only between windows (no saved
+                ``window``).
 
         Raises:
             ConfigTypeError: ``state`` is not such a mapping.
             ConfigError: ``state`` was saved with another ``drop_last``, with another
-                ``steps`` (unless allowed, at an epoch boundary), or its window does not
+                ``steps`` (unless allowed, between windows), or its window does not
                 fit this optimizer's parameters.
-            UsageError: A window is open in this accumulator.
+            UsageError: The accumulator is closed, a window is open in it, or one of its
+                epochs is being iterated.
         """
-        if not isinstance(state, Mapping):
-            msg = f"state must be a mapping from Accumulator.state_dict(), got {describe(state)}"
-            raise ConfigTypeError(msg)
+        self._life.check("load_state_dict()")
         check_bool(allow_steps_change, "allow_steps_change")
-        version = check_count(state.get("version"), "state['version']")
-        if version not in (1, _STATE_VERSION):
+        saved = record.parse(state, lambda value: isinstance(value, torch.Tensor))
+        saved.check_fits(
+            steps=self._steps,
+            drop_last=self._options.drop_last,
+            allow_steps_change=allow_steps_change,
+        )
+        if self._window.is_open or self._plan.active:
             msg = (
-                f"state['version'] is {version}, but this gradaccum reads versions 1 and "
-                f"{_STATE_VERSION}; load it with the gradaccum that saved it"
+                "load_state_dict() was called mid-window or while acc.epoch() is being "
+                "iterated; load before the epoch loop"
             )
-            raise ConfigError(msg)
-        steps = check_steps(state.get("steps"), "state['steps']")
-        position = check_count(state.get("position"), "state['position']")
-        global_step = check_count(state.get("global_step"), "state['global_step']")
-        skipped = check_count(state.get("skipped_steps", 0), "state['skipped_steps']")
-        if skipped > global_step:
-            msg = f"state['skipped_steps'] is {skipped}, more than its {global_step} windows"
-            raise ConfigError(msg)
-        drop_last = check_bool(state.get("drop_last"), "state['drop_last']")
-        window = state.get("window")
-        if drop_last != self._drop_last:
-            msg = (
-                f"the state was saved with drop_last={drop_last!r} but this Accumulator has "
-                f"drop_last={self._drop_last!r}; construct it with drop_last={drop_last!r} "
-                "to resume"
-            )
-            raise ConfigError(msg)
-        if steps != self._steps and not (allow_steps_change and position == 0 and not window):
-            msg = (
-                f"the state was saved with steps={steps} but this Accumulator has "
-                f"steps={self._steps}; construct it with steps={steps} to resume"
-            )
-            if position or window:
-                msg += " (it was saved mid-epoch, where steps cannot change)"
-            else:
-                msg += f", or pass allow_steps_change=True to keep steps={self._steps}"
-            raise ConfigError(msg)
-        if self._pos > 0 or self._in_block:
-            msg = "load_state_dict() was called mid-window; load before the first microstep"
             raise UsageError(msg)
-        saved = self._check_window(window) if window else None
-        self._global_step = global_step
-        self._skipped = skipped
-        self._scheduled = None  # the scheduler's state may be loaded too: read it afresh
-        self._position = self._resume_at = position
-        self._reset_window()
-        if saved is not None:
-            for param, grad in zip(self._params, saved.grads, strict=True):
+        params = boundary.params_of(self.optimizer)
+        if saved.window is not None:
+            self._check_window_fits(saved.window, params)
+        self._global_step = saved.global_step
+        self._skipped = saved.skipped_steps
+        self._stepper.reread_scheduler()
+        done = 0 if saved.window is None else saved.window.microsteps
+        self._plan.load(saved.position, done)
+        self._clear_window()
+        if saved.window is not None:
+            for param, grad in zip(params, saved.window.grads, strict=True):
                 param.grad = None if grad is None else grad.to(param.device).clone()
-            self._pos, self._size, self._den = saved.microsteps, saved.size, saved.divisor
-            self._by_items, self._items, self._losses = saved.by_items, saved.items, saved.losses
+            window = self._window
+            window.done, window.size = saved.window.microsteps, saved.window.size
+            window.divisor, window.by_items = saved.window.divisor, saved.window.by_items
+            window.items, window.losses = list(saved.window.items), list(saved.window.losses)
+            if self._strategy.grads_in_params:
+                self._grads.start(params)
             self._arm()
 
-    def _check_window(self, window: object) -> _Window:
-        """The saved window, once every field is what `state_dict` writes and fits here."""
-        fields = window if isinstance(window, Mapping) else {}
-        pos, size, divisor = fields.get("microsteps"), fields.get("size"), fields.get("divisor")
-        by_items, items, losses = fields.get("by_items"), fields.get("items"), fields.get("losses")
-        grads = fields.get("grads")
-        if not (
-            type(pos) is int
-            and type(size) is int
-            and type(divisor) is int
-            and isinstance(by_items, bool)
-            and isinstance(items, list)
-            and isinstance(losses, list)
-            and isinstance(grads, list)
-            and 0 < pos < size
-            and len(losses) == pos
-            and all(isinstance(item, (int, torch.Tensor)) for item in items)
-            and all(isinstance(loss, torch.Tensor) for loss in losses)
-        ):
-            msg = f"state['window'] is not a window from state_dict(), got {describe(window)}"
-            raise ConfigError(msg)
-        if len(grads) != len(self._params) or not all(
-            grad is None or (isinstance(grad, torch.Tensor) and grad.shape == param.shape)
-            for grad, param in zip(grads, self._params, strict=False)
+    def _check_window_fits(self, window: record.SavedWindow, params: list[torch.Tensor]) -> None:
+        if len(window.grads) != len(params) or not all(
+            grad is None or grad.shape == param.shape
+            for grad, param in zip(window.grads, params, strict=False)
         ):
             msg = (
                 "state['window'] does not fit this optimizer's parameters (their number or "
@@ -946,18 +798,21 @@ class Accumulator:
             )
             raise ConfigError(msg)
         self._check_grads_in_params("load_state_dict() cannot restore")
-        return _Window(pos, size, divisor, by_items, list(items), list(losses), grads)
 
     # Lifetime ---------------------------------------------------------------------
 
     def close(self) -> None:
         """Remove the optimizer hook and restore any sync state set on the model."""
-        self._closed = True
-        misuse.forget(self)
-        if not self._released:
-            self._released = True
-            self._hook.remove()
+        self._life.close()
+        self._release()
+
+    def _release(self) -> None:
+        """Give back the optimizer and the model's sync state (once)."""
+        if self._stepper is not None:
+            misuse.forget(self)
+            self._stepper.release(self)
             self._strategy.restore()
+            self._stepper = None  # type: ignore[assignment]
 
     def __enter__(self) -> Self:
         return self
@@ -968,31 +823,36 @@ class Accumulator:
     def __repr__(self) -> str:
         return (
             f"Accumulator(steps={self._steps}, global_step={self._global_step}, "
-            f"window={self._pos}/{self._size})"
+            f"window={self._window.done}/{self._window.size})"
         )
 
 
-class _Window(NamedTuple):
-    """An open window as `Accumulator.state_dict` saves it."""
+@dataclass(frozen=True)
+class _Options:
+    """The validated keyword options that do not change after construction."""
 
-    microsteps: int
-    size: int
-    divisor: int
-    by_items: bool
-    items: list[int | torch.Tensor]
-    losses: list[torch.Tensor]
-    grads: list[torch.Tensor | None]
+    max_grad_norm: float | None
+    scaler: torch.amp.GradScaler | None
+    drop_last: bool
+    sync: SyncPolicy
+    on_nonfinite: NonFinitePolicy | None
 
 
 class _Microstep:
-    """The ``with`` block of a microstep, one per accumulator; see `Accumulator.microstep`."""
+    """The ``with`` block of a microstep, one per accumulator; see `Accumulator.microstep`.
 
-    __slots__ = ("_acc", "loss", "num_items")
+    It holds the loss from ``microstep()`` until the block is entered, and the boundary's
+    `Step` until it exits; ``idle`` is what every other microstep of the window reports.
+    """
+
+    __slots__ = ("_acc", "idle", "loss", "num_items", "step")
 
     def __init__(self, acc: Accumulator) -> None:
         self._acc = acc
         self.loss: torch.Tensor | None = None
         self.num_items: int | torch.Tensor | None = None
+        self.step: Step | None = None
+        self.idle = Step(boundary=False, global_step=0)
 
     def __enter__(self) -> Step:
         loss, self.loss = self.loss, None
@@ -1008,26 +868,13 @@ class _Microstep:
 # Helpers -----------------------------------------------------------------------
 
 
-def _scheduler_steps(scheduler: Any) -> int | None:
-    """How far ``scheduler`` has stepped (``last_epoch``), when it says."""
-    steps = getattr(scheduler, "last_epoch", None)
-    return steps if isinstance(steps, int) else None
-
-
-def _scale_grads(
-    params: list[torch.Tensor], factor: float | int | torch.Tensor, *, divide: bool
-) -> None:
-    """Multiply (or divide) every gradient by ``factor`` in place, without host sync."""
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for param in params:
-        if param.grad is not None:
-            groups.setdefault((param.grad.device, param.grad.dtype), []).append(param.grad)
-    for (device, dtype), grads in groups.items():
-        if isinstance(factor, torch.Tensor):
-            local = factor.to(device=device, dtype=dtype)
-            torch._foreach_mul_(grads, local.reciprocal() if divide else local)
-        else:
-            torch._foreach_mul_(grads, 1.0 / factor if divide else factor)
+def _look_ahead(iterator: Iterator[T]) -> Iterator[tuple[T, int | None]]:
+    """An unsized epoch on one rank: one item ahead, so that the last is known to be last."""
+    held = next(iterator, _END)
+    while held is not _END:
+        following = next(iterator, _END)
+        yield held, None if following is not _END else 0
+        held = following
 
 
 def _grad_copy(param: torch.Tensor) -> torch.Tensor | None:

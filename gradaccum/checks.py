@@ -4,12 +4,13 @@ the value and what is accepted (the catalog is docs/bad-input.md)."""
 from __future__ import annotations
 
 import math
-from typing import Literal, get_args
+from typing import Literal, TypeVar, get_args
 
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
+from gradaccum.boundary import params_of
 from gradaccum.errors import ConfigError, ConfigTypeError, describe
 from gradaccum.schedule import check_count
 
@@ -22,8 +23,9 @@ __all__ = [
     "check_parts",
     "check_scaler",
     "refuse_loss",
-    "unique_params",
 ]
+
+T = TypeVar("T")
 
 NonFinitePolicy = Literal["raise", "skip"]
 """What `Accumulator` does with a window whose gradient holds inf/NaN (``None``: nothing)."""
@@ -45,7 +47,7 @@ def check_parts(model: object, optimizer: object, scheduler: object) -> list[tor
             "is nothing to accumulate; unfreeze some parameters (requires_grad_(True))"
         )
         raise ConfigError(msg)
-    params = unique_params(optimizer)
+    params = params_of(optimizer)
     if not any(id(param) in trainable for param in params):
         msg = (
             "optimizer holds none of the model's trainable parameters, so no step would "
@@ -73,16 +75,16 @@ def check_parts(model: object, optimizer: object, scheduler: object) -> list[tor
     return params
 
 
-def check_choice(value: object, name: str, choices: tuple[object, ...]) -> None:
-    """Refuse ``value`` unless it is one of the (str or None) ``choices``."""
+def check_choice(value: T, name: str, choices: tuple[object, ...]) -> T:
+    """Return ``value`` if it is one of the (str or None) ``choices``, else refuse it."""
     if value in choices and isinstance(value, (str, type(None))):
-        return
+        return value
     accepted = ", ".join(repr(choice) for choice in choices)
     msg = f"{name} must be one of {accepted}, got {describe(value)}"
     raise ConfigTypeError(msg) if not isinstance(value, str) else ConfigError(msg)
 
 
-def check_on_nonfinite(value: object, scaler: torch.amp.GradScaler | None) -> None:
+def check_on_nonfinite(value: T, scaler: torch.amp.GradScaler | None) -> T:
     check_choice(value, "on_nonfinite", (None, *get_args(NonFinitePolicy)))
     if value == "raise" and scaler is not None:
         msg = (
@@ -90,6 +92,7 @@ def check_on_nonfinite(value: object, scaler: torch.amp.GradScaler | None) -> No
             "the scaler expects and skips; pass on_nonfinite='skip' or None"
         )
         raise ConfigError(msg)
+    return value
 
 
 def check_max_grad_norm(value: object) -> float | None:
@@ -142,11 +145,3 @@ def check_num_items(num_items: object) -> None:
             raise ConfigError(msg)
         return
     check_count(num_items, "num_items")
-
-
-def unique_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    seen: dict[int, torch.Tensor] = {}
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            seen.setdefault(id(param), param)
-    return list(seen.values())

@@ -2,6 +2,21 @@
 
 from __future__ import annotations
 
+import sys
+import warnings
+
+__all__ = [
+    "ConfigError",
+    "ConfigTypeError",
+    "GradaccumError",
+    "GradaccumWarning",
+    "NonFiniteError",
+    "RankFailedError",
+    "UsageError",
+    "describe",
+    "warn",
+]
+
 
 class GradaccumError(Exception):
     """Base of every exception gradaccum raises; each also subclasses a builtin."""
@@ -20,11 +35,38 @@ class UsageError(GradaccumError, RuntimeError):
 
 
 class NonFiniteError(GradaccumError, FloatingPointError):
-    """A window's gradient held inf or NaN under ``on_nonfinite="raise"``; nothing was applied."""
+    """A window's gradient held inf or NaN under ``on_nonfinite="raise"``; nothing was applied.
+
+    Attributes:
+        window: The window, numbered from 1 (the optimizer step it would have become).
+    """
+
+    def __init__(self, msg: str, window: int) -> None:
+        super().__init__(msg)
+        self.window = window
+
+    def __reduce__(self) -> tuple[type, tuple[str, int]]:
+        return type(self), (str(self), self.window)
 
 
 class RankFailedError(GradaccumError, RuntimeError):
-    """Another rank failed, so this one stopped mid-window without applying the window."""
+    """Another rank failed, so this one stopped mid-window.
+
+    Attributes:
+        rank: The rank that failed first.
+        window: The window it failed in, numbered from 1.
+        applied: Whether this rank had applied that window (its optimizer stepped) when
+            it stopped.
+    """
+
+    def __init__(self, msg: str, rank: int, window: int, applied: bool = False) -> None:
+        super().__init__(msg)
+        self.rank = rank
+        self.window = window
+        self.applied = applied
+
+    def __reduce__(self) -> tuple[type, tuple[str, int, int, bool]]:
+        return type(self), (str(self), self.rank, self.window, self.applied)
 
 
 class GradaccumWarning(UserWarning):
@@ -34,3 +76,17 @@ class GradaccumWarning(UserWarning):
 def describe(value: object) -> str:
     """Render a value as the user wrote it, with its type: ``True (bool)``."""
     return f"{value!r} ({type(value).__name__})"
+
+
+_INTERNAL = ("gradaccum.", "torch.", "contextlib")
+
+
+def warn(message: str) -> None:
+    """Warn with `GradaccumWarning` at the user's line: the first caller outside gradaccum
+    and torch (whose hooks and module calls may stand in between)."""
+    frame = sys._getframe(1)
+    level = 2  # warnings.warn's stacklevel of warn()'s caller
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith(_INTERNAL):
+        frame = frame.f_back
+        level += 1
+    warnings.warn(message, GradaccumWarning, stacklevel=level)

@@ -9,16 +9,15 @@ before the first `Accumulator` was built keeps the unwrapped one.
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from gradaccum.errors import GradaccumWarning
+from gradaccum.errors import warn
 
-__all__ = ["forget", "watch_clipping"]
+__all__ = ["GradWatch", "forget", "watch_clipping"]
 
 
 class _Watched(Protocol):
@@ -61,13 +60,57 @@ def _warn_if_partial(parameters: Any) -> Any:
     for acc in list(_open):
         where = acc._partial_window(clipped)
         if where is not None:
-            warnings.warn(
+            warn(
                 f"clip_grad_norm_ was called on {where}, before the window's gradient is "
                 "complete, so it clips a partial sum; pass max_grad_norm= to the "
                 "Accumulator, or clip inside the boundary's block (when step.boundary is "
-                "True)",
-                GradaccumWarning,
-                stacklevel=3,
+                "True)"
             )
             break
     return parameters
+
+
+class GradWatch:
+    """Catches ``optimizer.zero_grad()`` or ``model.zero_grad()`` inside an open window.
+
+    One gradient of the window is watched from the end of each backward to the start of
+    the next. ``zero_grad()`` replaces it (``set_to_none=True``, the default), or zeroes
+    it in place, which moves its version counter; other in-place changes (clipping a
+    partial window, which warns by itself) move it too, so only then is the gradient read
+    (one host sync) to tell a zeroed one apart. Only where a deferred window's gradient is
+    ``param.grad`` (a plain module, DDP); a few attribute reads a microstep.
+    """
+
+    __slots__ = ("_grad", "_param", "_version")
+
+    def __init__(self) -> None:
+        self._param: torch.Tensor | None = None
+        self._grad: torch.Tensor | None = None
+        self._version = 0
+
+    def start(self, params: list[torch.Tensor]) -> None:
+        """After a window's first backward: watch the first gradient there is."""
+        self._param = next((param for param in params if param.grad is not None), None)
+        self._grad = None if self._param is None else self._param.grad
+        self.update()
+
+    def update(self) -> None:
+        """After a later backward, which accumulated into the watched gradient."""
+        if self._grad is not None:
+            self._version = self._grad._version
+
+    def wiped(self) -> bool:
+        """The watched gradient was dropped, replaced or zeroed since the last backward."""
+        param, grad = self._param, self._grad
+        if param is None or grad is None:
+            return False
+        if param.grad is not grad:
+            return True
+        if grad._version == self._version:
+            return False
+        self._version = grad._version  # changed in place: wiped only if it is now all zero
+        return not bool(grad.any())
+
+    def stop(self) -> None:
+        """The window closed."""
+        self._param = self._grad = None

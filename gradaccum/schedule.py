@@ -17,6 +17,7 @@ __all__ = [
     "steps_at_epoch",
     "steps_per_epoch",
     "total_steps",
+    "trained_microbatches",
 ]
 
 
@@ -111,9 +112,20 @@ def total_steps(
     )
 
 
+def trained_microbatches(n_batches: int, steps: int, drop_last: bool) -> int:
+    """How many of ``n_batches`` microbatches are trained on when windows of ``steps`` are
+    cut from the first: all of them, or with ``drop_last`` those that fill whole windows.
+
+    The one formula behind `total_steps` and the accumulator's epoch plan (which applies
+    it from the start of each window, so that ``steps`` may change between windows).
+    """
+    return n_batches // steps * steps if drop_last else n_batches
+
+
 def _per_epoch(n_batches: int, steps: int, drop_last: bool) -> int:
-    partial = 0 if drop_last or n_batches % steps == 0 else 1
-    return n_batches // steps + partial
+    return -(
+        -trained_microbatches(n_batches, steps, drop_last) // steps
+    )  # whole windows, rounded up
 
 
 def steps_at_epoch(schedule: Mapping[int, int], epoch: int) -> int:

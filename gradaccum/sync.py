@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradaccum.errors import ConfigError, ConfigTypeError, GradaccumWarning, describe
+from gradaccum.errors import ConfigError, ConfigTypeError, describe, warn
 
 __all__ = [
     "DDPSync",
@@ -35,18 +34,25 @@ __all__ = [
 SyncPolicy = Literal["auto", "boundary", "every"]
 
 
+@runtime_checkable
 class SyncStrategy(Protocol):
     """Turns a wrapped model's gradient communication on and off.
 
     The accumulator calls `arm` before each microstep's forward, because some
     wrappers (DDP) decide during the forward whether the backward communicates.
+    Subclass it to inherit the defaults of the optional members (a strategy for
+    `register_sync_strategy` must have them all).
 
     Attributes:
         group: The process group whose ranks average the model's gradients, or
             ``None`` when the gradients stay on this process.
+        grads_in_params: A deferred window's partial gradient is plain ``param.grad``
+            (default False): it can be saved mid-window, and a ``zero_grad()`` that
+            wipes it is caught.
     """
 
     group: dist.ProcessGroup | None
+    grads_in_params: bool = False
 
     def arm(self, sync: bool) -> None:
         """Prepare the next backward: ``True`` on a window's last microstep (or under
@@ -55,12 +61,27 @@ class SyncStrategy(Protocol):
     def restore(self) -> None:
         """Put back the communication state the strategy found."""
 
+    def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Clip the window's gradient to ``max_norm`` by its total norm over every rank's
+        share, and return that norm (default: `clip_grad_norm`)."""
+        return clip_grad_norm(params, max_norm)
+
+    def unsynced_forward(self) -> bool | None:
+        """For a wrapper that decides in the forward whether the backward communicates:
+        the state that the oldest forward not yet back-propagated saw, when it differs
+        from the state armed now; else (and by default) None."""
+        return None
+
+    def forget_forwards(self) -> None:
+        """A window closed: forwards that no microstep used are not carried over."""
+        return
+
 
 StrategyFactory = Callable[[nn.Module, SyncPolicy], SyncStrategy]
 """Builds the strategy for a model (unwrapped from ``torch.compile``) under a policy."""
 
 
-class LocalSync:
+class LocalSync(SyncStrategy):
     """A module that is not wrapped: its gradients live on this process, nothing to sync."""
 
     group: dist.ProcessGroup | None = None
@@ -73,7 +94,7 @@ class LocalSync:
         """Nothing was changed."""
 
 
-class DDPSync:
+class DDPSync(SyncStrategy):
     """DDP: sets ``require_backward_grad_sync``, which DDP reads in its forward.
 
     The flag is set to what each microstep needs rather than toggled by ``no_sync()``,
@@ -97,10 +118,17 @@ class DDPSync:
         if torch.is_grad_enabled():
             self.seen.append(ddp.require_backward_grad_sync)
 
-    @property
-    def armed(self) -> bool:
-        """Whether the next backward all-reduces, as the flag stands now."""
-        return self._ddp.require_backward_grad_sync  # type: ignore[no-any-return]
+    def unsynced_forward(self) -> bool | None:
+        """The flag the oldest forward not yet back-propagated saw, if it is not the flag
+        now set: DDP decided in that forward."""
+        if not self.seen:
+            return None
+        seen = self.seen.popleft()
+        return None if seen is self._ddp.require_backward_grad_sync else seen
+
+    def forget_forwards(self) -> None:
+        """Drop the record of forwards that no microstep used."""
+        self.seen.clear()
 
     def arm(self, sync: bool) -> None:
         """All-reduce in the next backward unless it is deferred."""
@@ -112,7 +140,7 @@ class DDPSync:
         self._hook.remove()
 
 
-class NoSyncContext:
+class NoSyncContext(SyncStrategy):
     """A wrapper with a ``no_sync()`` context manager (FSDP1, unknown types): held open
     while deferring.
 
@@ -142,7 +170,7 @@ class NoSyncContext:
             held.__exit__(None, None, None)
 
 
-class FullyShardSync:
+class FullyShardSync(SyncStrategy):
     """FSDP2 ``fully_shard`` modules, and HSDP when their mesh is 2-D.
 
     ``"auto"`` reduce-scatters every microstep, so that no unsharded gradient is held
@@ -338,12 +366,23 @@ def strategy_for(model: nn.Module, policy: SyncPolicy = "auto") -> SyncStrategy:
     for module in modules:
         for wrapper_type, factory in known:
             if isinstance(module, wrapper_type):
-                return factory(model, policy)
+                return _checked(factory(model, policy), factory)
         if callable(getattr(module, "no_sync", None)):
             _warn_unknown(type(module))
             group = _world() if dist.is_available() and dist.is_initialized() else None
             return NoSyncContext(module, defer=policy != "every", group=group)
     return LocalSync()
+
+
+def _checked(strategy: object, factory: StrategyFactory) -> SyncStrategy:
+    if not isinstance(strategy, SyncStrategy):
+        msg = (
+            f"the sync strategy factory {factory!r} returned {describe(strategy)}, which "
+            "lacks members of gradaccum.SyncStrategy; subclass SyncStrategy to inherit "
+            "the defaults of its optional members"
+        )
+        raise ConfigTypeError(msg)
+    return strategy
 
 
 def _warn_unknown(wrapper_type: type) -> None:
@@ -352,12 +391,10 @@ def _warn_unknown(wrapper_type: type) -> None:
     _warned.add(wrapper_type)
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         return
-    warnings.warn(
+    warn(
         f"model contains a {wrapper_type.__name__}, which gradaccum does not know; its "
         "no_sync() is held open on deferred microsteps, as for DDP. Register a strategy "
-        "with gradaccum.register_sync_strategy() to silence this",
-        GradaccumWarning,
-        stacklevel=3,
+        "with gradaccum.register_sync_strategy() to silence this"
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -124,9 +125,12 @@ def train(
     batches = rank_batches(rank, sizes[rank], dtype)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", gradaccum.GradaccumWarning)
-        epoch = acc.epoch(iter(batches) if unsized else batches)
+        epoch = iter(acc.epoch(iter(batches) if unsized else batches))
+        # A sized epoch's first next() plans it: the ranks agree on its length, one
+        # all-reduce per epoch, which is not counted per window.
+        first = [] if unsized else [next(epoch)]
         with counter:
-            for batch in epoch:
+            for batch in itertools.chain(first, epoch):
                 loss = sum_loss(model, batch) if items else mean_loss(model, batch)
                 window.append((loss.detach(), len(batch[0]) if items else 1))
                 with acc.microstep(loss, num_items=window[-1][1] if items else None) as step:
@@ -171,11 +175,13 @@ def after_an_unclosed_accumulator(
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     batches = rank_batches(rank, [2] * 8)
     for _ in range(2):
+        # The second takes the optimizer over from the first, with a warning.
         acc = gradaccum.Accumulator(model, optimizer, steps=4, sync=sync)
-        epoch = acc.epoch(batches)
+        epoch = iter(acc.epoch(batches))
+        first = next(epoch)  # the length agreement, once per epoch: not counted
         counter = OpCounter()
         with counter:
-            for batch in epoch:
+            for batch in itertools.chain([first], epoch):
                 with acc.microstep(mean_loss(model, batch)):
                     pass
     return dict(counter.collectives), full_params(model, kind)

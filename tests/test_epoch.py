@@ -99,14 +99,15 @@ class Exploding:
 
 
 def test_guard_refuses_an_epoch_without_a_step_before_any_work() -> None:
-    """len 3 with steps=4 raises at acc.epoch(), naming steps and the epoch length."""
+    """len 3 with steps=4 raises at the epoch's first next(), before drawing anything,
+    naming steps and the epoch length."""
     model = make_model()
     acc = gradaccum.Accumulator(model, sgd(model), steps=4)
     with pytest.raises(ValueError, match=r"epoch of 3 microbatches.*steps=4") as caught:
-        acc.epoch(Exploding())
+        next(acc.epoch(Exploding()))
     assert "drop_last=False" in str(caught.value)
     with pytest.raises(ValueError, match="empty"):
-        acc.epoch([])
+        next(acc.epoch([]))
     assert acc.global_step == 0
 
 

@@ -75,7 +75,7 @@ def test_state_holds_steps_position_global_step_and_policy() -> None:
     parts = build()
     train(parts, epochs=1, stop_after=2)
     assert parts[3].state_dict() == {
-        "version": 2,
+        "version": 3,
         "steps": 4,
         "position": 8,
         "global_step": 2,
@@ -151,8 +151,8 @@ def test_resume_position_past_the_epoch_is_refused() -> None:
     state = parts[3].state_dict() | {"position": 12}
     _, _, _, acc = build()
     acc.load_state_dict(state)
-    with pytest.raises(gradaccum.ConfigError, match=r"microbatch 12.*past the 8"):
-        acc.epoch(BATCHES[:8])
+    with pytest.raises(gradaccum.ConfigError, match=r"microbatch 12.*past the end of .* of 8"):
+        next(acc.epoch(BATCHES[:8]))
 
 
 def test_resume_past_an_unsized_epoch_is_refused() -> None:

@@ -1,0 +1,172 @@
+"""The epoch plan: which microbatches of an epoch are trained and how they are cut into
+windows (integers only, no torch).
+
+Windows are cut from the start of each window with the ``steps`` in force then, so a
+``steps`` change at any boundary, and a resume at any position, re-plan only the rest of
+the epoch. The epoch's iterator asks the plan before each hand-out.
+"""
+
+from __future__ import annotations
+
+from gradaccum.errors import ConfigError, UsageError
+from gradaccum.schedule import trained_microbatches
+
+__all__ = ["EpochPlan", "check_epoch_length"]
+
+
+class EpochPlan:
+    """Where the current epoch stands.
+
+    Attributes:
+        drop_last: Each epoch's trailing microbatches that do not fill a window are not
+            trained on (else they form one shorter window).
+        length: The current epoch's (agreed) length, when it is known.
+        position: Microbatches of the current epoch handed out; after a load, where the
+            next epoch resumes.
+        closed_at: Microbatches of the current epoch up to the end of the last window that
+            closed (applied or skipped): where the next window starts. A window that failed
+            does not move it, so its microbatches are not counted as trained.
+        cut_at: Where the current cut of the epoch into windows starts: the epoch's (or
+            the resumed window's) start, or the window start at the last ``steps`` change.
+        pending: The microbatch handed out last has not reached a microstep yet.
+        remaining: How many microbatches follow the one handed out last, when known.
+        active: An epoch is being iterated.
+        resume_at: Microbatches the next epoch skips (set by a load).
+    """
+
+    __slots__ = (
+        "active",
+        "closed_at",
+        "cut_at",
+        "drop_last",
+        "length",
+        "pending",
+        "position",
+        "remaining",
+        "resume_at",
+    )
+
+    def __init__(self, drop_last: bool) -> None:
+        self.drop_last = drop_last
+        self.length: int | None = None
+        self.position = self.closed_at = self.cut_at = self.resume_at = 0
+        self.pending = False
+        self.remaining: int | None = None
+        self.active = False
+
+    def begin(self, length: int | None, steps: int) -> int:
+        """Start an epoch of ``length`` microbatches (None: unknown); return how many to skip.
+
+        Raises:
+            UsageError: Another epoch of this accumulator is being iterated.
+            ConfigError: The epoch gives no optimizer step, or a loaded position lies past
+                its end.
+        """
+        if self.active:
+            msg = (
+                "acc.epoch() was started while another acc.epoch() of this accumulator is "
+                "still being iterated; epochs do not nest: finish the first, break out of "
+                "it, or call its close() before starting the next"
+            )
+            raise UsageError(msg)
+        skip = self.resume_at
+        if length is not None:
+            if skip == 0:
+                check_epoch_length(length, steps, self.drop_last, discarded=False)
+            elif skip > length:
+                msg = (
+                    f"the loaded state resumes at microbatch {skip} of the epoch, past the "
+                    f"end of this epoch of {length}; pass the same data"
+                )
+                raise ConfigError(msg)
+        self.length = length
+        self.position = skip
+        if skip == 0:
+            self.closed_at = 0
+        self.cut_at = self.closed_at
+        self.resume_at = 0
+        self.pending = False
+        self.remaining = None
+        self.active = True
+        return skip
+
+    def end(self, completed: bool) -> None:
+        """The epoch's iteration stopped: it ran out (``completed``) or was broken off, in
+        which case its position stays for a checkpoint."""
+        self.active = False
+        self.pending = False
+        if completed:
+            self.length = None
+            self.position = self.closed_at = self.cut_at = 0
+
+    def recut(self) -> None:
+        """``steps`` changed between windows: cut the rest of the epoch from the next
+        window's start (before a microbatch handed out already, at the top of the loop)."""
+        self.cut_at = self.position - self.pending
+
+    def trained_end(self, steps: int) -> int | None:
+        """Where the trained microbatches of a sized epoch end, with windows of ``steps``
+        cut from `cut_at`; None when the length is unknown."""
+        if self.length is None:
+            return None
+        start = min(self.cut_at, self.length)
+        return start + trained_microbatches(self.length - start, steps, self.drop_last)
+
+    def hand_out(self, remaining: int | None) -> None:
+        """One more microbatch reaches the user; ``remaining`` follow it, when known."""
+        self.position += 1
+        self.pending = True
+        self.remaining = remaining
+
+    def window_size(self, steps: int, done: int) -> int:
+        """The size of the window that the microbatch handed out last belongs to, ``done``
+        microsteps into it: ``steps``, or fewer where the epoch ends before (unless the
+        trailing partial window is dropped)."""
+        if self.drop_last or self.remaining is None:
+            return steps
+        return min(steps, done + 1 + self.remaining)
+
+    def dropped(self, steps: int) -> bool:
+        """A window left open at the epoch's end was meant to be dropped (the trailing
+        partial window of a ``drop_last`` epoch), rather than left incomplete by the loop."""
+        end = self.trained_end(steps)
+        return self.drop_last and (end is None or self.position > end)
+
+    def checkpoint_position(self, window_done: int) -> int:
+        """The position a checkpoint saves: the microbatches trained on, those of an open
+        window (``window_done`` > 0) included; a microbatch handed out but not yet
+        back-propagated is handed out again after the resume."""
+        return self.position - self.pending if window_done else self.closed_at
+
+    def close_window(self) -> None:
+        """A window closed (applied or skipped): the next starts after its microbatches."""
+        self.closed_at = self.position - self.pending
+
+    def load(self, position: int, window_done: int) -> None:
+        """Resume at ``position`` of an epoch, ``window_done`` microsteps into a window: the
+        next epoch skips that many microbatches."""
+        self.resume_at = self.position = position
+        self.closed_at = self.cut_at = max(0, position - window_done)  # (outside an epoch: 0)
+        self.pending = False
+        self.remaining = None
+
+
+def check_epoch_length(n: int, steps: int, drop_last: bool, *, discarded: bool) -> None:
+    """The guard: an epoch of ``n`` microbatches that gives no optimizer step is refused.
+
+    Raises:
+        ConfigError: No window fits (``discarded``: its gradient was already discarded).
+    """
+    if trained_microbatches(n, steps, drop_last) > 0:
+        return
+    if n == 0:
+        msg = "the epoch's iterable is empty: it gives no optimizer step"
+    else:
+        msg = (
+            f"the iterable's epoch of {n} microbatches gives no optimizer step with "
+            f"steps={steps} and drop_last=True; lower steps to at most {n}, or pass "
+            "drop_last=False"
+        )
+    if discarded:
+        msg += " (its gradient was discarded)"
+    raise ConfigError(msg)

@@ -1,0 +1,75 @@
+"""The ranks that hold the model's gradients: the scalar collectives the accumulator adds
+(length agreement, the item total, the finite flag) and the record of which rank failed."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from gradaccum import faults
+from gradaccum.errors import warn
+
+__all__ = ["Ranks"]
+
+
+class Ranks:
+    """The process group the gradients are averaged over (``None``: this process alone).
+
+    Attributes:
+        group: The process group, or ``None``.
+        count: How many ranks hold the gradients (1 without a group).
+        device: Where the scalar collectives' tensors live (the parameters' device).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
+        self.group = group
+        self.count = 1 if group is None else dist.get_world_size(group)
+        self.device = device
+        self._warned = False
+
+    @property
+    def rank(self) -> int:
+        """This process's global rank (0 alone)."""
+        return 0 if self.group is None else dist.get_rank()
+
+    def agree(self, n: int, unequal: str) -> int:
+        """The least of ``n`` over the ranks: one all-reduce, read on the host. When the
+        ranks differ, warn once (on rank 0) with ``unequal``, formatted with ``least`` and
+        ``most``."""
+        if self.count == 1:
+            return n
+        ends = torch.tensor([n, -n], device=self.device)
+        dist.all_reduce(ends, op=dist.ReduceOp.MIN, group=self.group)
+        least, negated_most = (int(end) for end in ends.tolist())
+        if -negated_most > least and not self._warned:
+            self._warned = True
+            if dist.get_rank() == 0:
+                warn(
+                    unequal.format(least=least, most=-negated_most)
+                    + ", so that no rank waits on a collective the others never call; shard "
+                    "the data evenly (e.g. DistributedSampler) to train on all of it"
+                )
+        return least
+
+    def total(self, local: torch.Tensor) -> torch.Tensor:
+        """``local`` summed over the ranks, in place (a float64 or int64 0-dim tensor)."""
+        if self.count > 1:
+            dist.all_reduce(local, group=self.group)
+        return local
+
+    def all(self, flag: torch.Tensor) -> bool:
+        """Whether ``flag`` (a 0-dim bool tensor) holds on every rank: one host sync, and
+        one scalar all-reduce over several ranks, so that every rank decides the same."""
+        if self.count > 1:
+            flag = flag.to(device=self.device, dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
+
+    def record_failure(self, what: str) -> None:
+        """Record that this rank failed with ``what``, unless another rank did first."""
+        faults.record_failure(self.group, what)
+
+    def first_failure(self) -> tuple[int, str] | None:
+        """Another rank that failed first, and what it said; None when it was this one."""
+        found = faults.first_failure(self.group)
+        return found if found is not None and found[0] != self.rank else None

@@ -1,0 +1,192 @@
+"""The checkpoint record: the saved format of `Accumulator.state_dict`, its versions, and
+its parsing, validated whole before anything is loaded (no torch: tensors are opaque).
+
+Version 3 (this one): ``position`` is where the next window starts, or with a ``window``
+the microbatches its saved gradient holds; a microbatch handed out but not yet
+back-propagated is not counted, so the resumed epoch hands it out again. The rest of the
+epoch is cut into windows from ``position`` with the saved ``steps``, which is what the
+uninterrupted run does after a ``steps`` change. Versions 1 and 2 (no ``skipped_steps`` in
+1) load the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypedDict
+
+from typing_extensions import NotRequired
+
+from gradaccum.errors import ConfigError, ConfigTypeError, describe
+from gradaccum.schedule import check_bool, check_count, check_steps
+
+__all__ = ["VERSION", "Checkpoint", "SavedWindow", "StateDict", "WindowDict", "parse"]
+
+VERSION = 3
+
+
+class WindowDict(TypedDict):
+    """An open window as saved: its progress, losses, item counts and gradients."""
+
+    microsteps: int
+    size: int
+    divisor: int
+    by_items: bool
+    items: list[Any]
+    losses: list[Any]
+    grads: list[Any]
+
+
+class StateDict(TypedDict):
+    """What `Accumulator.state_dict` returns."""
+
+    version: int
+    steps: int
+    position: int
+    global_step: int
+    skipped_steps: int
+    drop_last: bool
+    sync: str
+    window: NotRequired[WindowDict]
+
+
+@dataclass(frozen=True)
+class SavedWindow:
+    """An open window, in memory."""
+
+    microsteps: int
+    size: int
+    divisor: int
+    by_items: bool
+    items: list[Any]
+    losses: list[Any]
+    grads: list[Any]
+
+    def to_dict(self) -> WindowDict:
+        return WindowDict(
+            microsteps=self.microsteps,
+            size=self.size,
+            divisor=self.divisor,
+            by_items=self.by_items,
+            items=list(self.items),
+            losses=list(self.losses),
+            grads=list(self.grads),
+        )
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """An accumulator's state, in memory."""
+
+    steps: int
+    position: int
+    global_step: int
+    skipped_steps: int
+    drop_last: bool
+    sync: str
+    window: SavedWindow | None = None
+
+    def to_dict(self) -> StateDict:
+        state = StateDict(
+            version=VERSION,
+            steps=self.steps,
+            position=self.position,
+            global_step=self.global_step,
+            skipped_steps=self.skipped_steps,
+            drop_last=self.drop_last,
+            sync=self.sync,
+        )
+        if self.window is not None:
+            state["window"] = self.window.to_dict()
+        return state
+
+    def check_fits(self, *, steps: int, drop_last: bool, allow_steps_change: bool) -> None:
+        """Refuse to load into an accumulator with another ``drop_last``, or another
+        ``steps`` unless allowed between windows.
+
+        Raises:
+            ConfigError: It does not fit, with the fix.
+        """
+        if self.drop_last != drop_last:
+            msg = (
+                f"the state was saved with drop_last={self.drop_last!r} but this "
+                f"Accumulator has drop_last={drop_last!r}; construct it with "
+                f"drop_last={self.drop_last!r} to resume"
+            )
+            raise ConfigError(msg)
+        if self.steps == steps or (allow_steps_change and self.window is None):
+            return
+        msg = (
+            f"the state was saved with steps={self.steps} but this Accumulator has "
+            f"steps={steps}; construct it with steps={self.steps} to resume"
+        )
+        if self.window is not None:
+            msg += " (it was saved mid-window, where steps cannot change)"
+        else:
+            msg += f", or pass allow_steps_change=True to keep steps={steps}"
+        raise ConfigError(msg)
+
+
+def parse(state: object, is_tensor: Callable[[object], bool]) -> Checkpoint:
+    """Read ``state`` (from `Accumulator.state_dict`, any version) into a `Checkpoint`.
+
+    Args:
+        state: The mapping to read.
+        is_tensor: Whether a value is a tensor (the losses and gradients of a window).
+
+    Raises:
+        ConfigTypeError: ``state`` is not a mapping.
+        ConfigError: A field is missing or malformed; the message names its key.
+    """
+    if not isinstance(state, Mapping):
+        msg = f"state must be a mapping from Accumulator.state_dict(), got {describe(state)}"
+        raise ConfigTypeError(msg)
+    version = check_count(state.get("version"), "state['version']")
+    if version not in (1, 2, VERSION):
+        msg = (
+            f"state['version'] is {version}, but this gradaccum reads versions 1 to "
+            f"{VERSION}; load it with the gradaccum that saved it"
+        )
+        raise ConfigError(msg)
+    steps = check_steps(state.get("steps"), "state['steps']")
+    position = check_count(state.get("position"), "state['position']")
+    global_step = check_count(state.get("global_step"), "state['global_step']")
+    skipped = check_count(state.get("skipped_steps", 0), "state['skipped_steps']")
+    if skipped > global_step:
+        msg = f"state['skipped_steps'] is {skipped}, more than its {global_step} windows"
+        raise ConfigError(msg)
+    drop_last = check_bool(state.get("drop_last"), "state['drop_last']")
+    window = _parse_window(state["window"], is_tensor) if state.get("window") else None
+    return Checkpoint(
+        steps=steps,
+        position=position,
+        global_step=global_step,
+        skipped_steps=skipped,
+        drop_last=drop_last,
+        sync=str(state.get("sync", "auto")),
+        window=window,
+    )
+
+
+def _parse_window(window: object, is_tensor: Callable[[object], bool]) -> SavedWindow:
+    fields = window if isinstance(window, Mapping) else {}
+    done, size, divisor = fields.get("microsteps"), fields.get("size"), fields.get("divisor")
+    by_items, items, losses = fields.get("by_items"), fields.get("items"), fields.get("losses")
+    grads = fields.get("grads")
+    if not (
+        type(done) is int
+        and type(size) is int
+        and type(divisor) is int
+        and isinstance(by_items, bool)
+        and isinstance(items, list)
+        and isinstance(losses, list)
+        and isinstance(grads, list)
+        and 0 < done < size
+        and len(losses) == done
+        and all(type(item) is int or is_tensor(item) for item in items)
+        and all(is_tensor(loss) for loss in losses)
+        and all(grad is None or is_tensor(grad) for grad in grads)
+    ):
+        msg = f"state['window'] is not a window from state_dict(), got {describe(window)}"
+        raise ConfigError(msg)
+    return SavedWindow(done, size, divisor, by_items, list(items), list(losses), list(grads))

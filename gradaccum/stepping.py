@@ -1,0 +1,147 @@
+"""Stepping the optimizer (through the GradScaler) and the scheduler once per window, and
+watching both for steps taken by hand; which accumulator owns an optimizer."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from gradaccum.errors import UsageError, warn
+
+__all__ = ["Stepper", "owner_of"]
+
+# The open accumulator that steps each optimizer (weakly held on both sides).
+_owners: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[Any]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def owner_of(optimizer: torch.optim.Optimizer) -> Any:
+    """The accumulator that owns ``optimizer`` now, or None."""
+    ref = _owners.get(optimizer)
+    return None if ref is None else ref()
+
+
+class Stepper:
+    """Steps the optimizer, scaler and scheduler for one accumulator.
+
+    The optimizer's step pre-hook refuses ``optimizer.step()`` by hand inside a window and
+    warns about it between windows; a scheduler whose ``last_epoch`` moved between the
+    accumulator's steps was stepped by hand, which is reported at the next step.
+
+    Attributes:
+        applied: The current window's optimizer step has run (its scheduler step may
+            still fail): the window is applied.
+    """
+
+    def __init__(
+        self,
+        owner: object,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        scaler: torch.amp.GradScaler | None,
+        where: Callable[[], str | None],
+    ) -> None:
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.scaler = scaler
+        self.applied = False
+        self._where = where  # "microstep k of n" while a window is open, else None
+        self._stepping = False
+        self._unscaled = False
+        self._scheduled = _last_epoch(scheduler)
+        self._watch = self._scheduled is not None
+        self._hook = optimizer.register_step_pre_hook(self._foreign_step)
+        _owners[optimizer] = weakref.ref(owner)
+
+    def unscale(self) -> None:
+        """Unscale the window's gradient (once, at its boundary) when there is a scaler."""
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+            self._unscaled = True
+
+    def apply(self) -> bool:
+        """Step the optimizer (and scaler), then the scheduler; return whether the scaler
+        skipped the step (found inf/NaN), in which case the scheduler does not step."""
+        self._stepping = True
+        try:
+            if self.scaler is None:
+                self.optimizer.step()
+                skipped = False
+            else:
+                scale = self.scaler.get_scale()
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+                skipped = self.scaler.get_scale() < scale  # it shrinks only on a skip
+            self.applied = True
+            if self.scheduler is not None and not skipped:
+                self._step_scheduler()
+        finally:
+            self._stepping = False
+        return skipped
+
+    def _step_scheduler(self) -> None:
+        if self._watch:
+            moved = self.scheduler.last_epoch
+            if self._scheduled is not None and moved != self._scheduled:
+                warn(
+                    f"the scheduler was stepped outside the accumulator (its last_epoch "
+                    f"moved from {self._scheduled} to {moved} between the accumulator's "
+                    "steps); the accumulator steps it once per applied window: remove the "
+                    "scheduler.step() call (after loading a scheduler's state, also load "
+                    "the accumulator's)"
+                )
+        self.scheduler.step()
+        if self._watch:
+            self._scheduled = self.scheduler.last_epoch
+
+    def skip(self) -> None:
+        """A window skipped for inf/NaN: no optimizer or scheduler step; a scaler that
+        found them still backs its scale off."""
+        if self.scaler is not None:
+            self.scaler.update()
+            self._unscaled = False
+
+    def clear(self) -> None:
+        """After a window, whatever became of it: gradients cleared, scaler record reset."""
+        if self._unscaled and not self.applied and self.scaler is not None:  # it failed
+            # Clear the scaler's per-optimizer record of unscale_() without moving the scale.
+            self.scaler.update(self.scaler.get_scale())
+        self._unscaled = self.applied = False
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def reread_scheduler(self) -> None:
+        """The scheduler's state may have been loaded: take its ``last_epoch`` as ours."""
+        self._scheduled = None
+
+    def release(self, owner: object) -> None:
+        """Remove the hook; the optimizer is no longer owned by ``owner``."""
+        self._hook.remove()
+        if owner_of(self.optimizer) is owner:
+            del _owners[self.optimizer]
+
+    def _foreign_step(self, *_: object) -> None:
+        if self._stepping:
+            return
+        where = self._where()
+        if where is not None:
+            msg = (
+                f"optimizer.step() was called inside an accumulation window ({where}); the "
+                "accumulator steps the optimizer when the window's last microstep block "
+                "exits: remove the call"
+            )
+            raise UsageError(msg)
+        warn(
+            "optimizer.step() was called between windows while an Accumulator owns the "
+            "optimizer; it steps once when each window's last microstep block exits: "
+            "remove the call (or close() the accumulator first)"
+        )
+
+
+def _last_epoch(scheduler: Any) -> int | None:
+    """How far ``scheduler`` has stepped (``last_epoch``), when it says."""
+    steps = getattr(scheduler, "last_epoch", None)
+    return steps if isinstance(steps, int) else None

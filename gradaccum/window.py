@@ -1,0 +1,109 @@
+"""Where the open window stands, and whether the accumulator takes calls at all.
+
+Integers and opaque values only (no torch): the window and the lifecycle are what every
+decision of the accumulator reads, each defined once here.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, NoReturn
+
+from gradaccum.errors import UsageError
+
+__all__ = ["Lifecycle", "State", "Window"]
+
+
+class Window:
+    """The open window: how many microsteps it has back-propagated and how many it takes.
+
+    Attributes:
+        done: Microsteps back-propagated (their blocks exited) in this window.
+        size: Microsteps in this window: ``steps``, or fewer for an epoch's trailing window.
+        divisor: What mean-mode losses were divided by; the size when the window opened
+            (an epoch that ends sooner than planned is rescaled at the boundary).
+        by_items: Whether this window passes ``num_items``; set by its first microstep.
+        in_block: A microstep's ``with`` block is open.
+        losses: The window's losses so far, as the user passed them.
+        items: The window's ``num_items`` so far (ints or 0-dim tensors).
+    """
+
+    __slots__ = ("by_items", "divisor", "done", "in_block", "items", "losses", "size")
+
+    def __init__(self, size: int) -> None:
+        self.in_block = False
+        self.reset(size)
+
+    def reset(self, size: int) -> None:
+        """Close the window (applied, skipped or discarded); the next one takes ``size``."""
+        self.done = 0
+        self.size = size
+        self.divisor = size
+        self.by_items = False
+        self.losses: list[Any] = []
+        self.items: list[Any] = []
+
+    def open(self, by_items: bool) -> None:
+        """The window's first microstep fixes its loss divisor and its mode."""
+        self.divisor = self.size
+        self.by_items = by_items
+
+    @property
+    def is_open(self) -> bool:
+        """A microstep of this window was back-propagated, or its block is open."""
+        return self.done > 0 or self.in_block
+
+    @property
+    def next_is_boundary(self) -> bool:
+        """The next microstep (or the one in the open block) completes the window."""
+        return self.done == self.size - 1
+
+    def where(self) -> str:
+        """The microstep now due, for messages: ``"microstep 2 of 4"``."""
+        return f"microstep {self.done + 1} of {self.size}"
+
+
+class State(enum.Enum):
+    """Whether an accumulator takes calls."""
+
+    OPEN = "open"
+    BROKEN = "broken"  # a failure under several ranks: the ranks' windows no longer line up
+    CLOSED = "closed"
+
+
+class Lifecycle:
+    """The accumulator's state and why it left `State.OPEN`; one place that refuses calls."""
+
+    __slots__ = ("reason", "state")
+
+    def __init__(self) -> None:
+        self.state = State.OPEN
+        self.reason = ""
+
+    def close(self, reason: str = "") -> None:
+        """Stop taking calls (``reason``: why, when not by `Accumulator.close`)."""
+        if self.state is State.OPEN:
+            self.state, self.reason = State.CLOSED, reason
+
+    def break_(self, reason: str) -> None:
+        """Stop taking calls because the ranks' windows no longer line up."""
+        self.state, self.reason = State.BROKEN, reason
+
+    def check(self, call: str) -> None:
+        """Refuse ``call`` unless the accumulator is open."""
+        if self.state is not State.OPEN:
+            self.refuse(call)
+
+    def refuse(self, call: str) -> NoReturn:
+        """Raise the refusal of ``call`` that the state calls for."""
+        messages = {
+            State.BROKEN: (
+                f"{call} was called after {self.reason}: the ranks' windows no longer line "
+                "up, so this accumulator takes no more microsteps; restart every rank from "
+                "the last checkpoint"
+            ),
+            State.CLOSED: (
+                f"{call} was called on a closed Accumulator{self.reason}; create a new one"
+            ),
+        }
+        raise UsageError(messages.get(self.state, f"{call} was refused"))
