@@ -377,7 +377,7 @@ class Accumulator:
                     if window.done:
                         self._grads.update()
                     else:
-                        self._grads.start(boundary.params_of(self.optimizer))
+                        self._grads.start(self.optimizer)
                 return self._block.idle
             self._block.step = self._prepare_boundary()
         except BaseException as error:
@@ -573,15 +573,7 @@ class Accumulator:
                     "the previous epoch: windows never span epochs"
                 )
                 self._clear_window()
-            iterator = iter(iterable)
-            if skip:
-                drawn = sum(1 for _ in itertools.islice(iterator, skip))
-                if drawn < skip:
-                    msg = (
-                        f"the loaded state resumes at microbatch {skip} of the epoch, but the "
-                        f"iterable ended after {drawn}; pass the same data"
-                    )
-                    raise ConfigError(msg)
+            iterator = _skipped(iter(iterable), skip)
             source: Iterator[tuple[T, int | None]]
             if n is not None:
                 source = self._sized(iterator, n)
@@ -784,7 +776,7 @@ class Accumulator:
             window.divisor, window.by_items = saved.window.divisor, saved.window.by_items
             window.items, window.losses = list(saved.window.items), list(saved.window.losses)
             if self._strategy.grads_in_params:
-                self._grads.start(params)
+                self._grads.start(self.optimizer)
             self._arm()
 
     def _check_window_fits(self, window: record.SavedWindow, params: list[torch.Tensor]) -> None:
@@ -875,6 +867,22 @@ def _look_ahead(iterator: Iterator[T]) -> Iterator[tuple[T, int | None]]:
         following = next(iterator, _END)
         yield held, None if following is not _END else 0
         held = following
+
+
+def _skipped(iterator: Iterator[T], skip: int) -> Iterator[T]:
+    """``iterator`` after drawing and dropping the ``skip`` microbatches trained already.
+
+    Raises:
+        ConfigError: It ends before.
+    """
+    drawn = sum(1 for _ in itertools.islice(iterator, skip))
+    if drawn < skip:
+        msg = (
+            f"the loaded state resumes at microbatch {skip} of the epoch, but the iterable "
+            f"ended after {drawn}; pass the same data"
+        )
+        raise ConfigError(msg)
+    return iterator
 
 
 def _grad_copy(param: torch.Tensor) -> torch.Tensor | None:

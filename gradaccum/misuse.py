@@ -88,8 +88,9 @@ class GradWatch:
         self._grad: torch.Tensor | None = None
         self._version = 0
 
-    def start(self, params: list[torch.Tensor]) -> None:
-        """After a window's first backward: watch the first gradient there is."""
+    def start(self, optimizer: torch.optim.Optimizer) -> None:
+        """After a window's first backward: watch the optimizer's first gradient."""
+        params = (param for group in optimizer.param_groups for param in group["params"])
         self._param = next((param for param in params if param.grad is not None), None)
         self._grad = None if self._param is None else self._param.grad
         self.update()
