@@ -50,7 +50,7 @@ def incomplete_window_at_the_end_of_an_epoch() -> None:
 
 
 def scheduler_stepped_by_hand() -> None:
-    model, optimizer, acc = build(steps=1)
+    model, _, acc = build(steps=1)
     microstep(acc, model, 0)
     assert acc.scheduler is not None
     acc.scheduler.step()
