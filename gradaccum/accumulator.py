@@ -491,6 +491,7 @@ class Accumulator:
         """
         if not applied:
             self._clear_window()
+            self._plan.recut()  # the epoch's next windows start after the failed microbatch
         if self._ranks.count == 1 or isinstance(error, NonFiniteError):  # every rank raised that
             return
         number = self._global_step + (not applied)
@@ -565,6 +566,7 @@ class Accumulator:
                 "rank trains on the first {least}",
             )
         skip = plan.begin(n, self._steps)
+        started_at = self._global_step
         completed = False
         try:
             if self._window.is_open and not skip:
@@ -588,7 +590,7 @@ class Accumulator:
         finally:
             if not completed:
                 plan.end(completed=False)
-        self._end_epoch(unsized=n is None)
+        self._end_epoch(guard=n is None and self._global_step == started_at)
 
     def _sized(self, iterator: Iterator[T], n: int) -> Iterator[tuple[T, int | None]]:
         """A sized epoch: up to where the plan ends its trained microbatches, asked anew
@@ -630,8 +632,9 @@ class Accumulator:
         self._window.size = self._plan.window_size(self._steps, self._window.done)
         self._arm()
 
-    def _end_epoch(self, *, unsized: bool) -> None:
-        """The epoch ran out: drop a window it left open, and (unsized) apply the guard."""
+    def _end_epoch(self, *, guard: bool) -> None:
+        """The epoch ran out: drop a window it left open, and apply the guard (an unsized
+        epoch that closed no window: ``guard``)."""
         plan, window = self._plan, self._window
         position, dropped = plan.position, plan.dropped(self._steps)
         plan.end(completed=True)
@@ -645,7 +648,7 @@ class Accumulator:
         else:
             window.reset(self._steps)  # a trailing window's size does not carry over
             self._arm()
-        if unsized:
+        if guard:
             check_epoch_length(
                 position, self._steps, self._options.drop_last, discarded=self._ranks.count == 1
             )

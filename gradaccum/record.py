@@ -156,14 +156,19 @@ def parse(state: object, is_tensor: Callable[[object], bool]) -> Checkpoint:
         msg = f"state['skipped_steps'] is {skipped}, more than its {global_step} windows"
         raise ConfigError(msg)
     drop_last = check_bool(state.get("drop_last"), "state['drop_last']")
-    window = _parse_window(state["window"], is_tensor) if state.get("window") else None
+    sync = state.get("sync", "auto")
+    if not isinstance(sync, str):
+        msg = f"state['sync'] must be a str, got {describe(sync)}"
+        raise ConfigTypeError(msg)
+    saved = state.get("window")
+    window = None if saved is None else _parse_window(saved, is_tensor)
     return Checkpoint(
         steps=steps,
         position=position,
         global_step=global_step,
         skipped_steps=skipped,
         drop_last=drop_last,
-        sync=str(state.get("sync", "auto")),
+        sync=sync,
         window=window,
     )
 
@@ -182,7 +187,9 @@ def _parse_window(window: object, is_tensor: Callable[[object], bool]) -> SavedW
         and isinstance(losses, list)
         and isinstance(grads, list)
         and 0 < done < size
+        and divisor >= 1
         and len(losses) == done
+        and len(items) == (done if by_items else 0)
         and all(type(item) is int or is_tensor(item) for item in items)
         and all(is_tensor(loss) for loss in losses)
         and all(grad is None or is_tensor(grad) for grad in grads)

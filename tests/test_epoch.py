@@ -251,3 +251,38 @@ def test_dataloader_over_an_iterable_dataset_is_treated_as_unsized() -> None:
         with acc.microstep(model(x).square().mean()):
             pass
     assert (handed, acc.global_step) == (7, 3)
+
+
+def test_raising_steps_late_in_an_unsized_epoch_is_not_refused_by_the_guard() -> None:
+    """The unsized guard refuses an epoch that closed no window, not one whose steps were
+    raised after it closed some (the trailing partial window is dropped, as documented)."""
+    batches = make_batches([2] * 5)
+    model = make_model()
+    acc = gradaccum.Accumulator(model, sgd(model), steps=2)
+    for index, batch in enumerate(acc.epoch(generator(batches))):
+        with acc.microstep(mean_loss(model, batch)):
+            pass
+        if index == 3:
+            acc.steps = 6
+    assert acc.global_step == 2
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_failed_window_caught_in_the_loop_restarts_the_windows_after_it() -> None:
+    """Sized epoch, the second window's first microstep raises and the loop goes on: the
+    next window starts after the failed microbatch, and the epoch ends without an
+    incomplete window (so no warning blames the loop for skipping microbatches)."""
+    batches = make_batches([2] * 10)
+    model = make_model()
+    acc = gradaccum.Accumulator(model, sgd(model), steps=4)
+    windows = [batches[0:4], batches[5:9]]
+    expected = reference_sgd(model, windows, lr=0.1)
+    for index, batch in enumerate(acc.epoch(batches)):
+        try:
+            with acc.microstep(mean_loss(model, batch)):
+                if index == 4:
+                    raise KeyError("a bad batch")
+        except KeyError:
+            continue
+    assert acc.global_step == 2
+    assert max_param_diff(model, expected) < TOL

@@ -1,0 +1,462 @@
+"""The checkpoint record (gradaccum/record.py): its saved form, the versions it reads, and
+its refusals, each naming the key at fault. Tensors are opaque to it, so a tiny stand-in
+takes their place and these tests need no torch."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gradaccum.errors import ConfigError, ConfigTypeError, GradaccumError
+from gradaccum.record import VERSION, Checkpoint, SavedWindow, parse
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class FakeTensor:
+    """Stands in for a tensor: record.py only asks ``is_tensor`` about it."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"FakeTensor({self.name!r})"
+
+
+def is_tensor(value: object) -> bool:
+    return isinstance(value, FakeTensor)
+
+
+def never_tensor(value: object) -> bool:
+    return False
+
+
+fakes = st.builds(FakeTensor, st.text(max_size=3))
+counts = st.integers(min_value=0, max_value=10**12)
+
+
+@st.composite
+def saved_windows(draw: st.DrawFn) -> SavedWindow:
+    size = draw(st.integers(min_value=2, max_value=16))
+    done = draw(st.integers(min_value=1, max_value=size - 1))
+    by_items = draw(st.booleans())
+    items = draw(st.lists(st.integers(0, 10**6) | fakes, min_size=done, max_size=done))
+    return SavedWindow(
+        microsteps=done,
+        size=size,
+        divisor=draw(st.integers(min_value=1, max_value=size)),
+        by_items=by_items,
+        items=items if by_items else [],
+        losses=draw(st.lists(fakes, min_size=done, max_size=done)),
+        grads=draw(st.lists(st.none() | fakes, max_size=4)),
+    )
+
+
+@st.composite
+def checkpoints(draw: st.DrawFn) -> Checkpoint:
+    global_step = draw(counts)
+    return Checkpoint(
+        steps=draw(st.integers(min_value=1, max_value=1024)),
+        position=draw(counts),
+        global_step=global_step,
+        skipped_steps=draw(st.integers(min_value=0, max_value=global_step)),
+        drop_last=draw(st.booleans()),
+        sync=draw(st.sampled_from(["auto", "every", "boundary"])),
+        window=draw(st.none() | saved_windows()),
+    )
+
+
+def state(**changes: Any) -> dict[str, Any]:
+    """A valid saved state with ``changes`` (a value of ``...`` removes the key)."""
+    saved: dict[str, Any] = {
+        "version": VERSION,
+        "steps": 4,
+        "position": 8,
+        "global_step": 2,
+        "skipped_steps": 0,
+        "drop_last": True,
+        "sync": "auto",
+    }
+    saved.update(changes)
+    return {key: value for key, value in saved.items() if value is not ...}
+
+
+def window(**changes: Any) -> dict[str, Any]:
+    """A valid saved window with ``changes`` (a value of ``...`` removes the key)."""
+    saved: dict[str, Any] = {
+        "microsteps": 2,
+        "size": 4,
+        "divisor": 4,
+        "by_items": False,
+        "items": [],
+        "losses": [FakeTensor("a"), FakeTensor("b")],
+        "grads": [FakeTensor("g"), None],
+    }
+    saved.update(changes)
+    return {key: value for key, value in saved.items() if value is not ...}
+
+
+def imports_of(module: str) -> set[str]:
+    """Every module that ``module`` (a gradaccum submodule) imports, following the
+    gradaccum submodules it imports in turn (not the package's ``__init__``)."""
+    found: set[str] = set()
+    todo, seen = [module], set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        tree = ast.parse((ROOT / (name.replace(".", "/") + ".py")).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            found.update(names)
+            todo.extend(name for name in names if name.startswith("gradaccum."))
+    return found
+
+
+class TestImports:
+    def test_record_module_imports_no_torch(self) -> None:
+        """record.py and the gradaccum modules it imports import no torch, nor the
+        package (whose ``__init__`` does)."""
+        found = imports_of("gradaccum.record")
+        assert not {name for name in found if name.split(".")[0] == "torch"}
+        assert "gradaccum" not in found
+
+    def test_these_tests_import_no_torch(self) -> None:
+        """This file imports no torch of its own."""
+        tree = ast.parse(Path(__file__).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                assert all(alias.name.split(".")[0] != "torch" for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                assert (node.module or "").split(".")[0] != "torch"
+
+
+class TestCheckpointToDict:
+    @given(checkpoint=checkpoints())
+    def test_parse_round_trips(self, checkpoint: Checkpoint) -> None:
+        """parse() reads back exactly what to_dict() saved, window included."""
+        assert parse(checkpoint.to_dict(), is_tensor) == checkpoint
+
+    def test_the_saved_form(self) -> None:
+        """to_dict() saves version 3 and the fields by name; no ``window`` key between
+        windows."""
+        saved = Checkpoint(
+            steps=4, position=8, global_step=2, skipped_steps=1, drop_last=True, sync="auto"
+        ).to_dict()
+        assert saved == {
+            "version": 3,
+            "steps": 4,
+            "position": 8,
+            "global_step": 2,
+            "skipped_steps": 1,
+            "drop_last": True,
+            "sync": "auto",
+        }
+        assert VERSION == 3
+
+    def test_the_saved_window(self) -> None:
+        """A saved window is a plain dict of its fields, in new lists: changing the saved
+        form does not change the checkpoint."""
+        loss, grad = FakeTensor("l"), FakeTensor("g")
+        opened = SavedWindow(1, 4, 4, True, [3], [loss], [grad, None])
+        checkpoint = Checkpoint(4, 1, 0, 0, False, "auto", opened)
+        saved = checkpoint.to_dict()
+        assert saved["window"] == {
+            "microsteps": 1,
+            "size": 4,
+            "divisor": 4,
+            "by_items": True,
+            "items": [3],
+            "losses": [loss],
+            "grads": [grad, None],
+        }
+        saved["window"]["losses"].clear()
+        saved["window"]["items"].append(5)
+        saved["window"]["grads"].clear()
+        assert opened == SavedWindow(1, 4, 4, True, [3], [loss], [grad, None])
+
+    def test_parse_copies_the_lists(self) -> None:
+        """The parsed window does not share its lists with the state it was read from."""
+        saved = state(window=window())
+        parsed = parse(saved, is_tensor)
+        saved["window"]["losses"].clear()
+        saved["window"]["grads"].clear()
+        assert parsed.window is not None
+        assert len(parsed.window.losses) == 2
+        assert len(parsed.window.grads) == 2
+
+
+class TestParseVersions:
+    @pytest.mark.parametrize("version", [1, 2, 3])
+    def test_known_versions_load(self, version: int) -> None:
+        """Versions 1 to 3 are read the same way."""
+        parsed = parse(state(version=version), never_tensor)
+        assert (parsed.steps, parsed.position, parsed.global_step) == (4, 8, 2)
+
+    def test_version_1_has_no_skipped_steps(self) -> None:
+        """A version-1 state (no ``skipped_steps``) reads as none skipped."""
+        assert parse(state(version=1, skipped_steps=...), never_tensor).skipped_steps == 0
+
+    def test_missing_sync_reads_as_auto(self) -> None:
+        """A state without ``sync`` reads as the default policy."""
+        assert parse(state(sync=...), never_tensor).sync == "auto"
+
+    @given(version=st.integers(min_value=0, max_value=10**6).filter(lambda v: v not in (1, 2, 3)))
+    def test_other_versions_are_refused(self, version: int) -> None:
+        """Any other version is refused, saying which versions this gradaccum reads."""
+        with pytest.raises(ConfigError) as caught:
+            parse(state(version=version), never_tensor)
+        assert str(caught.value) == (
+            f"state['version'] is {version}, but this gradaccum reads versions 1 to 3; "
+            "load it with the gradaccum that saved it"
+        )
+
+    @pytest.mark.parametrize(
+        ("version", "error"),
+        [
+            (..., ConfigTypeError),
+            (None, ConfigTypeError),
+            ("3", ConfigTypeError),
+            (3.0, ConfigTypeError),
+            (True, ConfigTypeError),
+            (-1, ConfigError),
+        ],
+    )
+    def test_malformed_version_is_refused(self, version: Any, error: type) -> None:
+        """A missing or non-count version is refused, naming the key."""
+        with pytest.raises(error, match=r"state\['version'\]"):
+            parse(state(version=version), never_tensor)
+
+
+class TestParseFields:
+    @pytest.mark.parametrize("value", [[], None, (("version", 3),), "state", 3])
+    def test_not_a_mapping(self, value: Any) -> None:
+        """A state that is not a mapping is a ConfigTypeError (a TypeError) quoting it."""
+        with pytest.raises(ConfigTypeError) as caught:
+            parse(value, never_tensor)
+        assert str(caught.value).startswith(
+            "state must be a mapping from Accumulator.state_dict(), got "
+        )
+        assert repr(value) in str(caught.value)
+        assert isinstance(caught.value, TypeError)
+
+    @pytest.mark.parametrize(
+        ("key", "value", "error"),
+        [
+            ("steps", ..., ConfigTypeError),
+            ("steps", None, ConfigTypeError),
+            ("steps", 0, ConfigError),
+            ("steps", -4, ConfigError),
+            ("steps", True, ConfigTypeError),
+            ("steps", 4.0, ConfigTypeError),
+            ("steps", "4", ConfigTypeError),
+            ("position", ..., ConfigTypeError),
+            ("position", -1, ConfigError),
+            ("position", 8.0, ConfigTypeError),
+            ("position", False, ConfigTypeError),
+            ("global_step", ..., ConfigTypeError),
+            ("global_step", -2, ConfigError),
+            ("global_step", "2", ConfigTypeError),
+            ("skipped_steps", None, ConfigTypeError),
+            ("skipped_steps", -1, ConfigError),
+            ("skipped_steps", 0.0, ConfigTypeError),
+            ("drop_last", ..., ConfigTypeError),
+            ("drop_last", None, ConfigTypeError),
+            ("drop_last", 1, ConfigTypeError),
+            ("drop_last", "True", ConfigTypeError),
+        ],
+    )
+    def test_malformed_field_is_refused_by_name(self, key: str, value: Any, error: type) -> None:
+        """A missing or malformed field is refused, naming its key; the error is a
+        GradaccumError (and a ValueError or TypeError)."""
+        with pytest.raises(error) as caught:
+            parse(state(**{key: value}), never_tensor)
+        assert f"state['{key}']" in str(caught.value)
+        assert isinstance(caught.value, GradaccumError)
+        assert isinstance(caught.value, ValueError | TypeError)
+
+    @given(global_step=st.integers(0, 100), more=st.integers(1, 100))
+    def test_more_skipped_than_windows_is_refused(self, global_step: int, more: int) -> None:
+        """skipped_steps above global_step cannot come from state_dict() and is refused."""
+        skipped = global_step + more
+        with pytest.raises(ConfigError) as caught:
+            parse(state(global_step=global_step, skipped_steps=skipped), never_tensor)
+        assert str(caught.value) == (
+            f"state['skipped_steps'] is {skipped}, more than its {global_step} windows"
+        )
+
+    @given(global_step=st.integers(0, 100), data=st.data())
+    def test_skipped_up_to_windows_is_read(self, global_step: int, data: st.DataObject) -> None:
+        """Up to every window skipped is accepted."""
+        skipped = data.draw(st.integers(0, global_step))
+        assert (
+            parse(state(global_step=global_step, skipped_steps=skipped), never_tensor).skipped_steps
+            == skipped
+        )
+
+
+class TestParseWindow:
+    @pytest.mark.parametrize("value", [..., None])
+    def test_no_window(self, value: Any) -> None:
+        """A state without a window (as saved between windows) reads as none."""
+        assert parse(state(window=value), never_tensor).window is None
+
+    def test_a_window_is_read(self) -> None:
+        """A well-formed window is read field by field."""
+        loss_a, loss_b, grad = FakeTensor("a"), FakeTensor("b"), FakeTensor("g")
+        parsed = parse(state(window=window(losses=[loss_a, loss_b], grads=[grad, None])), is_tensor)
+        assert parsed.window == SavedWindow(2, 4, 4, False, [], [loss_a, loss_b], [grad, None])
+
+    def test_items_may_be_ints_or_tensors(self) -> None:
+        """A by_items window's item counts are ints or (0-dim) tensors."""
+        count = FakeTensor("n")
+        parsed = parse(state(window=window(by_items=True, items=[3, count])), is_tensor)
+        assert parsed.window is not None
+        assert parsed.window.items == [3, count]
+
+    @pytest.mark.parametrize(
+        "changes",
+        [
+            {"microsteps": ...},
+            {"microsteps": 0, "losses": []},
+            {"microsteps": 4, "losses": [FakeTensor(str(i)) for i in range(4)]},  # == size
+            {"microsteps": 2.0},
+            {"microsteps": True, "losses": [FakeTensor("a")]},
+            {"size": ...},
+            {"size": 4.0},
+            {"size": 2},  # microsteps == size
+            {"divisor": ...},
+            {"divisor": 4.0},
+            {"divisor": None},
+            {"by_items": ...},
+            {"by_items": 0},
+            {"by_items": "False"},
+            {"items": ...},
+            {"items": (1, 2)},
+            {"items": [1.5, 2]},
+            {"items": [True, 2]},
+            {"items": ["1"]},
+            {"losses": ...},
+            {"losses": (FakeTensor("a"), FakeTensor("b"))},
+            {"losses": [FakeTensor("a")]},  # fewer than microsteps
+            {"losses": [FakeTensor("a"), 1.0]},
+            {"losses": [FakeTensor("a"), None]},
+            {"grads": ...},
+            {"grads": (None,)},
+            {"grads": [1.0]},
+            {"grads": [[FakeTensor("g")]]},
+        ],
+    )
+    def test_malformed_window_is_refused_by_name(self, changes: dict[str, Any]) -> None:
+        """A window that state_dict() cannot have saved is refused, naming
+        ``state['window']`` and quoting it."""
+        bad = window(**changes)
+        with pytest.raises(ConfigError) as caught:
+            parse(state(window=bad), is_tensor)
+        assert str(caught.value).startswith(
+            "state['window'] is not a window from state_dict(), got "
+        )
+        assert str(caught.value).endswith("(dict)")
+
+    @pytest.mark.parametrize("value", [[1, 2], "window", 3, (("microsteps", 2),)])
+    def test_a_window_that_is_not_a_mapping_is_refused(self, value: Any) -> None:
+        """A non-mapping window is refused, naming ``state['window']`` and its type."""
+        with pytest.raises(ConfigError) as caught:
+            parse(state(window=value), is_tensor)
+        assert str(caught.value) == (
+            f"state['window'] is not a window from state_dict(), got {value!r} "
+            f"({type(value).__name__})"
+        )
+
+    def test_losses_must_be_tensors(self) -> None:
+        """With an is_tensor that recognizes nothing, a saved window's losses are refused."""
+        with pytest.raises(ConfigError, match=r"state\['window'\]"):
+            parse(state(window=window()), never_tensor)
+
+    @pytest.mark.parametrize("value", [0, False, "", [], {}])
+    def test_a_falsy_malformed_window_is_refused(self, value: Any) -> None:
+        """A window that is neither absent nor None nor a saved window is refused, like
+        any other malformed field (state_dict() never saves these)."""
+        with pytest.raises(ConfigError, match=r"state\['window'\]"):
+            parse(state(window=value), is_tensor)
+
+
+class TestCheckpointCheckFits:
+    @staticmethod
+    def saved(steps: int = 4, drop_last: bool = True, window: bool = False) -> Checkpoint:
+        opened = SavedWindow(1, 4, 4, False, [], [FakeTensor("l")], []) if window else None
+        return Checkpoint(steps, 1 if window else 8, 2, 0, drop_last, "auto", opened)
+
+    @given(
+        steps=st.integers(1, 64),
+        drop_last=st.booleans(),
+        window=st.booleans(),
+        allow=st.booleans(),
+    )
+    def test_the_same_accumulator_fits(
+        self, steps: int, drop_last: bool, window: bool, allow: bool
+    ) -> None:
+        """A state loads into an accumulator with its steps and drop_last, always."""
+        self.saved(steps, drop_last, window).check_fits(
+            steps=steps, drop_last=drop_last, allow_steps_change=allow
+        )
+
+    @pytest.mark.parametrize("saved_drop_last", [False, True])
+    @pytest.mark.parametrize("allow", [False, True])
+    def test_another_drop_last_is_refused(self, saved_drop_last: bool, allow: bool) -> None:
+        """Another drop_last is refused, allow_steps_change or not, naming the fix."""
+        with pytest.raises(ConfigError) as caught:
+            self.saved(drop_last=saved_drop_last).check_fits(
+                steps=4, drop_last=not saved_drop_last, allow_steps_change=allow
+            )
+        assert str(caught.value) == (
+            f"the state was saved with drop_last={saved_drop_last} but this Accumulator has "
+            f"drop_last={not saved_drop_last}; construct it with "
+            f"drop_last={saved_drop_last} to resume"
+        )
+
+    def test_drop_last_is_checked_before_steps(self) -> None:
+        """With both differing, the refusal is about drop_last."""
+        with pytest.raises(ConfigError, match="drop_last"):
+            self.saved(steps=4, drop_last=True).check_fits(
+                steps=8, drop_last=False, allow_steps_change=False
+            )
+
+    def test_another_steps_is_refused_with_both_fixes(self) -> None:
+        """Another steps between windows is refused, offering allow_steps_change."""
+        with pytest.raises(ConfigError) as caught:
+            self.saved(steps=4).check_fits(steps=8, drop_last=True, allow_steps_change=False)
+        assert str(caught.value) == (
+            "the state was saved with steps=4 but this Accumulator has steps=8; construct "
+            "it with steps=4 to resume, or pass allow_steps_change=True to keep steps=8"
+        )
+
+    def test_allow_steps_change_between_windows(self) -> None:
+        """allow_steps_change accepts another steps for a state without a window."""
+        self.saved(steps=4).check_fits(steps=8, drop_last=True, allow_steps_change=True)
+
+    @pytest.mark.parametrize("allow", [False, True])
+    def test_a_saved_window_keeps_its_steps(self, allow: bool) -> None:
+        """A state saved mid-window refuses another steps even with allow_steps_change,
+        and says why instead of offering it."""
+        with pytest.raises(ConfigError) as caught:
+            self.saved(steps=4, window=True).check_fits(
+                steps=8, drop_last=True, allow_steps_change=allow
+            )
+        assert str(caught.value) == (
+            "the state was saved with steps=4 but this Accumulator has steps=8; construct "
+            "it with steps=4 to resume (it was saved mid-window, where steps cannot change)"
+        )
