@@ -576,23 +576,19 @@ class Accumulator:
                 )
                 self._clear_window()
             iterator = _skipped(iter(iterable), skip)
-            source: Iterator[tuple[T, int | None]]
             if n is not None:
-                source = self._sized(iterator, n)
+                yield from self._sized(iterator, n)
             elif self._ranks.count > 1:
-                source = self._agreed(iterator)
+                yield from self._agreed(iterator)
             else:
-                source = _look_ahead(iterator)
-            for item, remaining in source:
-                self._hand_out(remaining)
-                yield item
+                yield from self._look_ahead(iterator)
             completed = True
         finally:
             if not completed:
                 plan.end(completed=False)
         self._end_epoch(guard=n is None and self._global_step == started_at)
 
-    def _sized(self, iterator: Iterator[T], n: int) -> Iterator[tuple[T, int | None]]:
+    def _sized(self, iterator: Iterator[T], n: int) -> Iterator[T]:
         """A sized epoch: up to where the plan ends its trained microbatches, asked anew
         before each hand-out (``steps`` may change between windows)."""
         plan = self._plan
@@ -601,9 +597,19 @@ class Accumulator:
             if item is _END:
                 msg = f"the iterable ended after {plan.position} items; its len() promised {n}"
                 raise ConfigError(msg)
-            yield item, n - plan.position - 1
+            self._hand_out(n - plan.position - 1)
+            yield item
 
-    def _agreed(self, iterator: Iterator[T]) -> Iterator[tuple[T, int | None]]:
+    def _look_ahead(self, iterator: Iterator[T]) -> Iterator[T]:
+        """An unsized epoch on one rank: one item ahead, so that the last is known to be last."""
+        held = next(iterator, _END)
+        while held is not _END:
+            following = next(iterator, _END)
+            self._hand_out(None if following is not _END else 0)
+            yield held
+            held = following
+
+    def _agreed(self, iterator: Iterator[T]) -> Iterator[T]:
         """An unsized epoch on several ranks: what the open window still needs is drawn
         first, and the ranks agree on how much they drew (one all-reduce per window), so
         that none waits forever; every rank stops where the shortest did."""
@@ -624,7 +630,8 @@ class Accumulator:
             if not ready or (ended and self._options.drop_last and len(ready) < need):
                 return  # the epoch's end, or a trailing partial window that is dropped
             item = ready.popleft()
-            yield item, len(ready) if ended else None
+            self._hand_out(len(ready) if ended else None)
+            yield item
 
     def _hand_out(self, remaining: int | None) -> None:
         """Size the window and arm its sync before a microbatch reaches the user's forward."""
@@ -861,15 +868,6 @@ class _Microstep:
 
 
 # Helpers -----------------------------------------------------------------------
-
-
-def _look_ahead(iterator: Iterator[T]) -> Iterator[tuple[T, int | None]]:
-    """An unsized epoch on one rank: one item ahead, so that the last is known to be last."""
-    held = next(iterator, _END)
-    while held is not _END:
-        following = next(iterator, _END)
-        yield held, None if following is not _END else 0
-        held = following
 
 
 def _skipped(iterator: Iterator[T], skip: int) -> Iterator[T]:

@@ -9,7 +9,6 @@ so the plan is tested without torch.
 
 from __future__ import annotations
 
-import ast
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -146,47 +145,6 @@ def brute_force(
         windows.append((start, size))
         start += size
     return windows
-
-
-def imports_of(module: str) -> set[str]:
-    """Every module that ``module`` (a gradaccum submodule) imports, following the
-    gradaccum submodules it imports in turn (not the package's ``__init__``)."""
-    found: set[str] = set()
-    todo, seen = [module], set()
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        tree = ast.parse((ROOT / (name.replace(".", "/") + ".py")).read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [node.module]
-            else:
-                continue
-            found.update(names)
-            todo.extend(name for name in names if name.startswith("gradaccum."))
-    return found
-
-
-class TestImports:
-    def test_plan_module_imports_no_torch(self) -> None:
-        """plan.py and the gradaccum modules it imports import no torch, nor the package
-        (whose ``__init__`` does)."""
-        found = imports_of("gradaccum.plan")
-        assert not {name for name in found if name.split(".")[0] == "torch"}
-        assert "gradaccum" not in found
-
-    def test_these_tests_import_no_torch(self) -> None:
-        """This file imports no torch of its own."""
-        tree = ast.parse(Path(__file__).read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                assert all(alias.name.split(".")[0] != "torch" for alias in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                assert (node.module or "").split(".")[0] != "torch"
 
 
 class TestBruteForce:

@@ -4,7 +4,6 @@ takes their place and these tests need no torch."""
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 from typing import Any
 
@@ -101,47 +100,6 @@ def window(**changes: Any) -> dict[str, Any]:
     }
     saved.update(changes)
     return {key: value for key, value in saved.items() if value is not ...}
-
-
-def imports_of(module: str) -> set[str]:
-    """Every module that ``module`` (a gradaccum submodule) imports, following the
-    gradaccum submodules it imports in turn (not the package's ``__init__``)."""
-    found: set[str] = set()
-    todo, seen = [module], set()
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        tree = ast.parse((ROOT / (name.replace(".", "/") + ".py")).read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [node.module]
-            else:
-                continue
-            found.update(names)
-            todo.extend(name for name in names if name.startswith("gradaccum."))
-    return found
-
-
-class TestImports:
-    def test_record_module_imports_no_torch(self) -> None:
-        """record.py and the gradaccum modules it imports import no torch, nor the
-        package (whose ``__init__`` does)."""
-        found = imports_of("gradaccum.record")
-        assert not {name for name in found if name.split(".")[0] == "torch"}
-        assert "gradaccum" not in found
-
-    def test_these_tests_import_no_torch(self) -> None:
-        """This file imports no torch of its own."""
-        tree = ast.parse(Path(__file__).read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                assert all(alias.name.split(".")[0] != "torch" for alias in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                assert (node.module or "").split(".")[0] != "torch"
 
 
 class TestCheckpointToDict:

@@ -3,7 +3,6 @@ opaque values only, so these tests need no torch."""
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
@@ -15,47 +14,6 @@ from gradaccum.window import Lifecycle, State, Window
 from tests import strategies
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def imports_of(module: str) -> set[str]:
-    """Every module that ``module`` (a gradaccum submodule) imports, following the
-    gradaccum submodules it imports in turn (not the package's ``__init__``)."""
-    found: set[str] = set()
-    todo, seen = [module], set()
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        tree = ast.parse((ROOT / (name.replace(".", "/") + ".py")).read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [node.module]
-            else:
-                continue
-            found.update(names)
-            todo.extend(name for name in names if name.startswith("gradaccum."))
-    return found
-
-
-class TestImports:
-    def test_window_module_imports_no_torch(self) -> None:
-        """window.py and the gradaccum modules it imports import no torch, nor the
-        package (whose ``__init__`` does)."""
-        found = imports_of("gradaccum.window")
-        assert not {name for name in found if name.split(".")[0] == "torch"}
-        assert "gradaccum" not in found
-
-    def test_these_tests_import_no_torch(self) -> None:
-        """This file imports no torch of its own."""
-        tree = ast.parse(Path(__file__).read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                assert all(alias.name.split(".")[0] != "torch" for alias in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                assert (node.module or "").split(".")[0] != "torch"
 
 
 class TestWindow:
