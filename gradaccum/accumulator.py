@@ -586,7 +586,7 @@ class Accumulator:
         finally:
             if not completed:
                 plan.end(completed=False)
-        self._end_epoch(guard=n is None and self._global_step == started_at)
+        self._end_epoch(guard=n is None and not skip and self._global_step == started_at)
 
     def _sized(self, iterator: Iterator[T], n: int) -> Iterator[T]:
         """A sized epoch: up to where the plan ends its trained microbatches, asked anew
@@ -612,13 +612,16 @@ class Accumulator:
     def _agreed(self, iterator: Iterator[T]) -> Iterator[T]:
         """An unsized epoch on several ranks: what the open window still needs is drawn
         first, and the ranks agree on how much they drew (one all-reduce per window), so
-        that none waits forever; every rank stops where the shortest did."""
+        that none waits forever; every rank stops where the shortest did. Without
+        ``drop_last`` one more is drawn, so that the epoch's last microbatch is known to
+        be last before its forward."""
         ready: deque[T] = deque()
         ended = False
+        ahead = 0 if self._options.drop_last else 1
         while True:
             need = self._window.size - self._window.done
-            if len(ready) < need and not ended:
-                wanted = need - len(ready)
+            if len(ready) < need + ahead and not ended:
+                wanted = need + ahead - len(ready)
                 drawn = list(itertools.islice(iterator, wanted))
                 count = self._ranks.agree(
                     len(drawn),
@@ -640,8 +643,8 @@ class Accumulator:
         self._arm()
 
     def _end_epoch(self, *, guard: bool) -> None:
-        """The epoch ran out: drop a window it left open, and apply the guard (an unsized
-        epoch that closed no window: ``guard``)."""
+        """The epoch ran out: drop a window it left open, and apply the guard (``guard``: an
+        unsized epoch, not resumed, that closed no window)."""
         plan, window = self._plan, self._window
         position, dropped = plan.position, plan.dropped(self._steps)
         plan.end(completed=True)

@@ -1,0 +1,179 @@
+"""What the gloo ranks of the randomized cross test run (a module the ranks can import).
+
+A scenario is plain data drawn by the test process (see tests/test_cross_distributed.py):
+``steps``, ``drop_last``, ``sized`` (a list, or a generator without len), ``mode`` ("mean":
+mean losses; "int"/"tensor": summed losses with num_items as an int or a 0-dim tensor),
+``sizes[epoch][rank]`` (rows of each microbatch), ``seeds[epoch][rank]``, ``step_size`` of
+the StepLR, an optional ``change`` of ``steps`` (``epoch``, ``index``, ``when``: "top" of the
+loop body of microbatch ``index`` or "after" its block, new ``steps``) and a ``checkpoint``
+(``epoch``, ``index``, ``when``: "top", "after" or "between" epochs, ``include_grads``,
+``change_first``: at the top of the same microbatch, the change comes before it). Every rank
+runs the same scenarios in the same order, each on its own data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+import gradaccum
+from tests.distributed import full_params, wrap
+from tests.helpers import Batch, load_checkpoint, make_batches, make_model, mean_loss, sum_loss
+
+Parts = tuple[Any, Any, Any, gradaccum.Accumulator]
+
+
+def epoch_data(scenario: dict[str, Any], rank: int, epoch: int) -> Iterable[tuple[int, Batch]]:
+    """Rank ``rank``'s microbatches of ``epoch``, each with its index: a list, or a generator."""
+    batches = make_batches(scenario["sizes"][epoch][rank], seed=scenario["seeds"][epoch][rank])
+    pairs = list(enumerate(batches))
+    if scenario["sized"]:
+        return pairs
+
+    def generator() -> Iterator[tuple[int, Batch]]:
+        yield from pairs
+
+    return generator()
+
+
+def build(scenario: dict[str, Any], steps: int, stepped: list[int]) -> Parts:
+    """Fresh DDP model, SGD(lr 0.1), StepLR and accumulator; ``stepped[0]`` counts the
+    optimizer's steps."""
+    model = wrap("ddp", make_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def count(*_: object) -> None:
+        stepped[0] += 1
+
+    optimizer.register_step_post_hook(count)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, scenario["step_size"], gamma=0.5)
+    acc = gradaccum.Accumulator(
+        model, optimizer, scheduler, steps=steps, drop_last=scenario["drop_last"]
+    )
+    return model, optimizer, scheduler, acc
+
+
+def events(
+    scenario: dict[str, Any], checkpoint: dict[str, Any] | None, epoch: int, index: int, when: str
+) -> list[str]:
+    """What happens at the ``when`` ("top"/"after") of microbatch ``index``: "change",
+    "checkpoint", in order."""
+    here = {"epoch": epoch, "index": index, "when": when}
+    change = scenario["change"]
+    found = []
+    if change is not None and all(change[key] == value for key, value in here.items()):
+        found.append("change")
+    if checkpoint is not None and all(checkpoint[key] == value for key, value in here.items()):
+        if when == "top" and not checkpoint["change_first"]:
+            found.insert(0, "checkpoint")
+        else:
+            found.append("checkpoint")
+    return found
+
+
+def save(parts: Parts, include_grads: bool) -> tuple[bytes, dict[str, Any]]:
+    """Every part's state (this rank's), and the accumulator's steps, position, global_step."""
+    model, optimizer, scheduler, acc = parts
+    state = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "acc": acc.state_dict(include_grads=include_grads),
+    }
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    saved = {key: state["acc"][key] for key in ("steps", "position", "global_step")}
+    return buffer.getvalue(), saved
+
+
+def train(
+    scenario: dict[str, Any],
+    rank: int,
+    parts: Parts,
+    first_epoch: int,
+    checkpoint: dict[str, Any] | None,
+) -> tuple[bytes, dict[str, Any]] | None:
+    """The scenario's loop from ``first_epoch`` on; stops at ``checkpoint`` (if any) and
+    returns what `save` took there (the epoch's generator is closed by the return)."""
+    model, _, _, acc = parts
+    change = scenario["change"]
+    for epoch in range(first_epoch, len(scenario["sizes"])):
+        for index, batch in acc.epoch(epoch_data(scenario, rank, epoch)):
+            for what in events(scenario, checkpoint, epoch, index, "top"):
+                if what == "change":
+                    acc.steps = change["steps"]
+                else:
+                    assert checkpoint is not None
+                    return save(parts, checkpoint["include_grads"])
+            rows = len(batch[0])
+            if scenario["mode"] == "mean":
+                loss, items = mean_loss(model, batch), None
+            else:
+                loss = sum_loss(model, batch)
+                items = rows if scenario["mode"] == "int" else torch.tensor(rows)
+            with acc.microstep(loss, num_items=items):
+                pass
+            for what in events(scenario, checkpoint, epoch, index, "after"):
+                if what == "change":
+                    acc.steps = change["steps"]
+                else:
+                    assert checkpoint is not None
+                    return save(parts, checkpoint["include_grads"])
+        if checkpoint is not None and (checkpoint["when"], checkpoint["epoch"]) == (
+            "between",
+            epoch,
+        ):
+            return save(parts, checkpoint["include_grads"])
+    return None
+
+
+def play(scenario: dict[str, Any], rank: int, interrupted: bool) -> dict[str, Any]:
+    """The scenario uninterrupted, or stopped at its checkpoint, every part loaded into
+    fresh objects and continued on the same data. What the rank ended with; an exception
+    is reported as ``error``, not raised (the ranks fail alike: the next scenario runs)."""
+    stepped = [0]
+    seen: dict[str, Any] = {"saved": None, "error": None}
+    checkpoint = scenario["checkpoint"] if interrupted else None
+    parts: Parts | None = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", gradaccum.GradaccumWarning)
+        try:
+            parts = build(scenario, scenario["steps"], stepped)
+            stopped = train(scenario, rank, parts, 0, checkpoint)
+            if stopped is not None:
+                assert checkpoint is not None
+                blob, seen["saved"] = stopped
+                parts[3].close()
+                parts = load_checkpoint(build(scenario, seen["saved"]["steps"], stepped), blob)
+                resume_at = checkpoint["epoch"] + (checkpoint["when"] == "between")
+                train(scenario, rank, parts, resume_at, None)
+            model, optimizer, _, acc = parts
+            acc.close()
+            seen.update(
+                params=full_params(model, "ddp"),
+                global_step=acc.global_step,
+                optimizer_steps=stepped[0],
+                lr=optimizer.param_groups[0]["lr"],
+            )
+        except Exception as error:
+            seen["error"] = f"{type(error).__name__}: {error}"
+            if parts is not None:
+                with contextlib.suppress(Exception):
+                    parts[3].close()
+    seen["warnings"] = [
+        str(w.message) for w in caught if issubclass(w.category, gradaccum.GradaccumWarning)
+    ]
+    return seen
+
+
+def scenarios(rank: int, world: int, drawn: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every scenario of ``drawn``, uninterrupted then interrupted, on this rank."""
+    return [
+        {"whole": play(scenario, rank, False), "resumed": play(scenario, rank, True)}
+        for scenario in drawn
+    ]
