@@ -6,6 +6,7 @@ independent reference: one big batch of every rank's window through an unwrapped
 of the model. It counts optimizer and scheduler steps, collectives (``c10d`` ops seen by
 the dispatcher) per window for each sync policy, reductions that ran on deferred
 microsteps although the policy defers them, and host synchronizations off the boundary.
+The exit status is 1 if a row fails.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import multiprocessing
 import os
 import sys
 import tempfile
+import textwrap
 import time
 import traceback
 from collections import Counter
@@ -39,9 +41,12 @@ __all__ = [
     "OpCounter",
     "Outcome",
     "Row",
+    "add_options",
     "launch",
     "main",
+    "report",
     "results",
+    "run_command",
     "run_distributed",
     "run_single_process",
     "wrapper",
@@ -49,6 +54,7 @@ __all__ = [
 
 MICROBATCHES = 13
 TOLERANCE = 1e-10
+WIDTH = 100  # columns the default table fits in; --wide puts each row on one line
 _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional"})
 # What each policy must not run on a deferred microstep, under every wrapping here: no
 # all-reduce unless "every" (DDP, HSDP's replicas), no reduce-scatter under "boundary".
@@ -107,18 +113,44 @@ class Row:
     max_abs_diff: float
     host_syncs_off_boundary: int
     deferred_reductions: int = 0
-    collectives_per_window: dict[str, dict[str, float]] = field(default_factory=dict)
+    # Per sync policy, per collective kind ("ar", "rs", ...): the count in a window of the
+    # epoch (the one most windows ran), and what ran beyond that once in the run (DDP's
+    # bucket-rebuild broadcasts after the first backward).
+    collectives_per_window: dict[str, dict[str, int]] = field(default_factory=dict)
+    collectives_one_time: dict[str, dict[str, int]] = field(default_factory=dict)
     peak_memory_bytes: int | None = None
+
+    def broken(self) -> dict[str, str]:
+        """The promises this row broke: a short name for each, and what happened."""
+        found = {}
+        if self.optimizer_steps < 0:
+            found["step count"] = "ranks disagree on the step count"
+        elif not self.optimizer_steps == self.scheduler_steps == self.expected_steps:
+            found["step count"] = (
+                f"{self.optimizer_steps} optimizer and {self.scheduler_steps} scheduler steps, "
+                f"expected {self.expected_steps}"
+            )
+        if not self.max_abs_diff <= TOLERANCE:  # NaN fails too
+            found["gradient"] = (
+                f"gradient off the reference by {self.max_abs_diff:.1e} (> {TOLERANCE:.0e})"
+            )
+        if self.deferred_reductions:
+            found["deferred reductions"] = (
+                f"{_plural(self.deferred_reductions, 'deferred reduction')} ran"
+            )
+        if self.host_syncs_off_boundary:
+            found["host syncs"] = f"{_plural(self.host_syncs_off_boundary, 'host sync')} mid-window"
+        return found
+
+    @property
+    def problems(self) -> list[str]:
+        """The promises this row broke, in words; empty when it passes."""
+        return list(self.broken().values())
 
     @property
     def ok(self) -> bool:
         """Cadence, numerics, deferral and the no-host-sync promise all hold."""
-        return (
-            self.optimizer_steps == self.scheduler_steps == self.expected_steps
-            and self.max_abs_diff <= TOLERANCE
-            and self.host_syncs_off_boundary == 0
-            and self.deferred_reductions == 0
-        )
+        return not self.broken()
 
 
 # Launching ranks ---------------------------------------------------------------------
@@ -266,11 +298,11 @@ def _reference_grads(model: nn.Module, window: list[Batch]) -> list[torch.Tensor
 class _Epoch:
     optimizer_steps: int = 0
     scheduler_steps: int = 0
-    windows: int = 0
     max_abs_diff: float = 0.0
     host_syncs_off_boundary: int = 0
     deferred_reductions: int = 0
     collectives: Counter[str] = field(default_factory=Counter)
+    per_window: list[Counter[str]] = field(default_factory=list)  # each window's collectives
 
 
 def _train(
@@ -294,6 +326,7 @@ def _train(
     counter = OpCounter()
     everyone = [_data(device, r) for r in range(world)]
     window: list[Batch] = []
+    before: Counter[str] = Counter()  # the collectives before this window
     with Accumulator(model, optimizer, scheduler, steps=steps, sync=sync) as acc:
         for index, batch in enumerate(acc.epoch(everyone[rank])):
             window.extend(data[index] for data in everyone)
@@ -312,19 +345,41 @@ def _train(
             for grad, ref in zip(grads, reference, strict=True):
                 result.max_abs_diff = max(result.max_abs_diff, (grad - ref).abs().max().item())
             window = []
-        result.windows = acc.global_step
+            result.per_window.append(counter.collectives - before)
+            before = counter.collectives.copy()
     result.scheduler_steps = scheduler.last_epoch
     result.collectives = counter.collectives
     return result
 
 
-def _per_window(collectives: Counter[str], windows: int) -> dict[str, float]:
-    """Collectives per window by kind, abbreviated as in the table."""
+def _kinds(collectives: Counter[str]) -> Counter[str]:
+    """Collectives by kind, abbreviated as in the table."""
     counts: Counter[str] = Counter()
     for name, n in collectives.items():
         op = name.split("::")[-1]
         counts[_SHORT.get(op, op)] += n
-    return {kind: n / windows for kind, n in sorted(counts.items())}
+    return counts
+
+
+def _per_window(run: _Epoch) -> tuple[dict[str, int], dict[str, int]]:
+    """A run's collectives by kind: the count in a window, and the one-time rest.
+
+    A kind's count per window is the one most windows ran (the later ones on a tie);
+    what the run ran beyond that many per window is one-time, e.g. DDP's bucket-rebuild
+    broadcasts after the first backward (negative if some window ran fewer).
+    """
+    windows = [_kinds(counts) for counts in run.per_window]
+    total = _kinds(run.collectives)
+    steady: dict[str, int] = {}
+    once: dict[str, int] = {}
+    for kind in sorted(total):
+        tally = Counter(counts[kind] for counts in reversed(windows))
+        usual = tally.most_common(1)[0][0] if tally else 0
+        if usual:
+            steady[kind] = usual
+        if total[kind] != usual * len(windows):
+            once[kind] = total[kind] - usual * len(windows)
+    return steady, once
 
 
 def _reductions(counter: OpCounter, sync: SyncPolicy) -> int:
@@ -350,6 +405,7 @@ def _row(
     }
     runs = list(epochs.values())
     expected = total_steps(MICROBATCHES, steps)
+    collectives = {policy: _per_window(run) for policy, run in epochs.items()}
 
     def worst(counts: list[int]) -> int:
         # Report the policy farthest from the expected cadence, so no run hides another.
@@ -366,9 +422,8 @@ def _row(
         max_abs_diff=max(run.max_abs_diff for run in runs),
         host_syncs_off_boundary=max(run.host_syncs_off_boundary for run in runs),
         deferred_reductions=max(run.deferred_reductions for run in runs),
-        collectives_per_window={
-            policy: _per_window(run.collectives, run.windows) for policy, run in epochs.items()
-        },
+        collectives_per_window={policy: steady for policy, (steady, _) in collectives.items()},
+        collectives_one_time={policy: once for policy, (_, once) in collectives.items()},
         peak_memory_bytes=(
             torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         ),
@@ -442,75 +497,172 @@ def run_distributed(path: str, nproc: int, steps: list[int], backend: str = "glo
 
 # The table ----------------------------------------------------------------------------
 
+SUMMARY = "check exact accumulation, step cadence and communication on this machine"
+DESCRIPTION = (
+    f"Train a small float64 model for one epoch of {MICROBATCHES} microbatches per rank, "
+    "with steps=1 and steps=N under every sync policy: on one process, and under DDP and "
+    "fully_shard on --nproc local ranks (HSDP with --hsdp). Check every window's gradient "
+    "against a float64 reference; count optimizer steps, collectives, deferred reductions "
+    "and host syncs; print what held. Exit status 1 if a row fails."
+)
+_CHECKS = (
+    "max |grad-ref|: the worst gap, at any boundary, between the accumulated gradient and "
+    "one big float64 batch of the window through an unwrapped copy of the model (must be "
+    f"<= {TOLERANCE:.0e}). host syncs: on microsteps inside a window (must be 0). "
+    "deferred: reductions run inside a window although the policy defers them: ar under "
+    '"auto" and "boundary", rs under "boundary" (must be 0).'
+)
+_COSTS = (
+    "ar all-reduce, rs reduce-scatter, ag all-gather, bc broadcast: counted at the "
+    "dispatcher in each window of the epoch; one-time: what a run adds once, not per "
+    "window (DDP rebuilds its buckets after the first backward)."
+)
 
-def _collectives(per_policy: dict[str, dict[str, float]]) -> str:
-    """Counts per window for ``auto | boundary | every``, e.g. ``1 ar | 1 ar | 4 ar``."""
 
-    def one(counts: dict[str, float]) -> str:
-        return " + ".join(f"{n:.3g} {name}" for name, n in counts.items()) or "0"
-
-    return " | ".join(one(per_policy[policy]) for policy in get_args(SyncPolicy))
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
-def _print_table(rows: list[Row], device: torch.device) -> None:
-    print(f"gradaccum verify: torch {torch.__version__}, device {device}")
-    lines = [
-        (
+def _counts(counts: dict[str, int]) -> str:
+    """``{"ag": 16, "rs": 8}`` as ``16 ag + 8 rs``; ``0`` when none ran."""
+    return " + ".join(f"{n} {kind}" for kind, n in counts.items()) or "0"
+
+
+def _one_time(row: Row) -> str:
+    """The one-time collectives, once if every policy ran the same, else per policy."""
+    cells = [_counts(row.collectives_one_time.get(p, {})) for p in get_args(SyncPolicy)]
+    if len(set(cells)) == 1:
+        return "" if cells[0] == "0" else cells[0]
+    return " | ".join(cells)
+
+
+def _columns(lines: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(cell) for cell in column) for column in zip(*lines, strict=True)]
+    return [
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        for line in lines
+    ]
+
+
+def _verdict(rows: list[Row]) -> list[str]:
+    """The last lines: whether every row held, or which failed and why."""
+    failed = [row for row in rows if not row.ok]
+    if not failed:
+        return [
+            f"All {len(rows)} rows held: exact gradients, 1 step per window, "
+            "no deferred reduction or host sync mid-window."
+        ]
+    lines = []
+    for row in failed:
+        for problem in row.problems:
+            why = f"FAIL {row.path} ({row.launch}), steps {row.steps}: {problem}"
+            lines += textwrap.wrap(why, WIDTH, subsequent_indent="    ")
+    kinds = ", ".join(dict.fromkeys(kind for row in failed for kind in row.broken()))
+    names = ", ".join(f"{row.path} steps {row.steps}" for row in failed)
+    last = f"{len(failed)} of {len(rows)} rows FAILED ({kinds}): {names}."
+    if len(last) > WIDTH:
+        last = f"{len(failed)} of {len(rows)} rows FAILED ({kinds}): see FAIL above."
+    return [*lines, last]
+
+
+def report(rows: list[Row], device: str, *, wide: bool = False) -> str:
+    """The table as ``verify`` prints it, ending in a line that says whether all held.
+
+    It fits in `WIDTH` columns: a table of the checks, then one of the collectives per
+    window under each sync policy. ``wide`` puts each row on one line, with peak memory.
+    """
+    out = [
+        f"gradaccum verify: torch {torch.__version__}, device {device}, "
+        f"{MICROBATCHES} microbatches per rank"
+    ]
+    policies = get_args(SyncPolicy)
+    head: tuple[str, ...]
+    if wide:
+        head = (
             "path",
             "launch",
             "steps",
             "opt/sched steps",
-            "max |grad - ref|",
+            "max |grad-ref|",
             "host syncs",
             "deferred reductions",
-            "collectives/window auto | boundary | every",
+            "collectives/window " + " | ".join(policies),
+            "one-time",
             "peak memory",
             "result",
         )
-    ]
-    for row in rows:
-        memory = "n/a (cpu)" if row.peak_memory_bytes is None else f"{row.peak_memory_bytes} B"
-        lines.append(
-            (
-                row.path,
-                row.launch,
-                str(row.steps),
-                f"{row.optimizer_steps}/{row.scheduler_steps} of {row.expected_steps}",
-                f"{row.max_abs_diff:.1e}",
-                str(row.host_syncs_off_boundary),
-                str(row.deferred_reductions),
-                _collectives(row.collectives_per_window),
-                memory,
-                "ok" if row.ok else "FAIL",
-            )
+    else:
+        head = (
+            "path",
+            "launch",
+            "steps",
+            "opt/sched steps",
+            "max |grad-ref|",
+            "host syncs",
+            "deferred",
+            "result",
         )
-    widths = [max(len(cell) for cell in column) for column in zip(*lines, strict=True)]
-    for line in lines:
-        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)))
-    print(
-        "collectives: ar all-reduce, rs reduce-scatter, ag all-gather, bc broadcast (DDP's "
-        "one-time bucket rebuild), averaged over the epoch's windows. deferred reductions: "
-        'ar under "auto" or "boundary", rs under "boundary", that ran on a non-boundary '
-        "microstep (must be 0)"
+    checks: list[tuple[str, ...]] = [head]
+    costs: list[tuple[str, ...]] = [("path", "steps", *policies, "one-time")]
+    for row in rows:
+        per_policy = [_counts(row.collectives_per_window.get(p, {})) for p in policies]
+        cells = (
+            row.path,
+            row.launch,
+            str(row.steps),
+            f"{row.optimizer_steps}/{row.scheduler_steps} of {row.expected_steps}",
+            f"{row.max_abs_diff:.1e}",
+            str(row.host_syncs_off_boundary),
+            str(row.deferred_reductions),
+        )
+        result = "ok" if row.ok else "FAIL"
+        if wide:
+            memory = "n/a" if row.peak_memory_bytes is None else f"{row.peak_memory_bytes} B"
+            checks.append((*cells, " | ".join(per_policy), _one_time(row), memory, result))
+        else:
+            checks.append((*cells, result))
+            costs.append((row.path, str(row.steps), *per_policy, _one_time(row)))
+    out += _columns(checks)
+    out += textwrap.wrap(_CHECKS, WIDTH)
+    if not wide:
+        out += ["", "collectives per window under each sync policy:", *_columns(costs)]
+    out += textwrap.wrap(_COSTS, WIDTH)
+    out += ["", *_verdict(rows)]
+    return "\n".join(out)
+
+
+def add_options(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add verify's options to ``parser``: its own, or ``python -m gradaccum``'s command."""
+    parser.add_argument(
+        "--steps", type=int, default=4, metavar="N", help="accumulation steps (default 4)"
     )
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the table; return 0 when every row passes, 1 otherwise."""
-    parser = argparse.ArgumentParser(prog="python -m gradaccum verify", description=__doc__)
-    parser.add_argument("--steps", type=int, default=4, help="accumulation steps (default 4)")
     parser.add_argument(
         "--device",
         default="cuda" if torch.cuda.is_available() else "cpu",
+        metavar="D",
         help="device type (default: cuda if available, else cpu); the distributed rows use "
         "NCCL when it is cuda with at least --nproc GPUs, else gloo on cpu",
     )
     parser.add_argument(
-        "--nproc", type=int, default=2, help="ranks for DDP and fully_shard (default 2)"
+        "--nproc",
+        type=int,
+        default=2,
+        metavar="P",
+        help="ranks for DDP and fully_shard (default 2)",
     )
     parser.add_argument("--hsdp", action="store_true", help="add HSDP on a 2 x 2 mesh (4 ranks)")
-    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
-    args = parser.parse_args(argv)
+    output = parser.add_mutually_exclusive_group()
+    output.add_argument(
+        "--wide",
+        action="store_true",
+        help=f"one line per row with every column and peak memory (wider than {WIDTH} columns)",
+    )
+    output.add_argument("--json", action="store_true", help="print the rows as JSON")
+    return parser
+
+
+def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Run the table for ``args`` (parsed by ``parser``, which reports usage errors)."""
     try:
         steps = check_steps(args.steps, "--steps")
         nproc = check_steps(args.nproc, "--nproc")
@@ -526,10 +678,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             backend = "nccl" if gpus >= ranks else "gloo"
             rows += run_distributed(path, ranks, settings, backend)
     if args.json:
-        print(json.dumps([asdict(row) | {"ok": row.ok} for row in rows], indent=2))
+        print(
+            json.dumps(
+                [asdict(row) | {"ok": row.ok, "problems": row.problems} for row in rows],
+                indent=2,
+            )
+        )
     else:
-        _print_table(rows, device)
+        print(report(rows, str(device), wide=args.wide))
     return 0 if all(row.ok for row in rows) else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the table; return 0 when every row passes, 1 otherwise."""
+    parser = argparse.ArgumentParser(prog="python -m gradaccum verify", description=DESCRIPTION)
+    return run_command(add_options(parser).parse_args(argv), parser)
 
 
 if __name__ == "__main__":

@@ -242,7 +242,7 @@ def verify_rows_with_late_arming(rank: int, world: int) -> Any:
     enter = Accumulator._enter
 
     def arm_then_enter(self: Accumulator, *args: Any) -> Any:
-        self._strategy.arm(self.sync_gradients or self._sync == "every")
+        self._strategy.arm(self.sync_gradients or self._options.sync == "every")
         return enter(self, *args)
 
     Accumulator._arm = lambda self: None  # type: ignore[method-assign]

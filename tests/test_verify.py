@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -14,16 +16,22 @@ from tests import distributed
 from tests.distributed import run
 
 
-def test_verify_passes_and_prints_json() -> None:
-    """The main job, as a user runs it: single-process, DDP x2 and fully_shard x2 rows,
-    steps 1 and 4, all passing, with the collectives each policy costs per window."""
-    result = subprocess.run(
-        [sys.executable, "-m", "gradaccum", "verify", "--json", "--steps", "4"],
+def verify_command(*options: str) -> subprocess.CompletedProcess[str]:
+    """``python -m gradaccum verify --steps 4 *options``, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "gradaccum", "verify", "--steps", "4", *options],
         capture_output=True,
         text=True,
         timeout=180,
         check=False,
     )
+
+
+def test_verify_passes_and_prints_json() -> None:
+    """The main job, as a user runs it: single-process, DDP x2 and fully_shard x2 rows,
+    steps 1 and 4, all passing, with the whole number of collectives each policy costs
+    per window, and DDP's one-time broadcasts apart from them."""
+    result = verify_command("--json")
     assert result.returncode == 0, result.stderr
     rows = {(r["path"], r["steps"]): r for r in json.loads(result.stdout)}
     assert sorted(rows) == [
@@ -34,21 +42,117 @@ def test_verify_passes_and_prints_json() -> None:
         ("single-process", 1),
         ("single-process", 4),
     ]
-    for (_, steps), row in rows.items():
+    for (path, steps), row in rows.items():
         assert row["ok"]
+        assert row["problems"] == []
         assert row["max_abs_diff"] <= verify.TOLERANCE
         assert (row["optimizer_steps"], row["expected_steps"]) == (
             (13, 13) if steps == 1 else (3, 3)
         )
+        for field in ("collectives_per_window", "collectives_one_time"):
+            assert sorted(row[field]) == ["auto", "boundary", "every"]
+            for counts in row[field].values():
+                assert all(type(n) is int for n in counts.values()), (path, steps, field)
+        once = row["collectives_one_time"]
+        # DDP broadcasts its rebuilt buckets once, after the first backward; nothing else
+        # runs outside the steady count per window.
+        expected = {"bc": 2} if path == "DDP" else {}
+        assert once == {"auto": expected, "boundary": expected, "every": expected}
     assert rows["single-process", 4]["collectives_per_window"] == {
         "auto": {},
         "boundary": {},
         "every": {},
     }
     ddp = rows["DDP", 4]["collectives_per_window"]
-    assert [ddp[policy]["ar"] for policy in ("auto", "boundary", "every")] == [1, 1, 4]
+    assert ddp == {"auto": {"ar": 1}, "boundary": {"ar": 1}, "every": {"ar": 4}}
     sharded = rows["fully_shard", 4]["collectives_per_window"]
     assert [sharded[policy]["rs"] for policy in ("auto", "boundary", "every")] == [8, 2, 8]
+
+
+def test_verify_table_fits_100_columns_and_ends_in_the_verdict() -> None:
+    """The default table: no line over 100 columns, whole collective counts per window
+    with DDP's broadcasts apart, and a last line that says in words that all held."""
+    result = verify_command()
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert max(len(line) for line in lines) <= verify.WIDTH == 100
+    assert lines[-1] == (
+        "All 6 rows held: exact gradients, 1 step per window, "
+        "no deferred reduction or host sync mid-window."
+    )
+    table = lines[lines.index("collectives per window under each sync policy:") + 1 :]
+    assert re.split(" {2,}", table[0]) == ["path", "steps", "auto", "boundary", "every", "one-time"]
+    cells = {
+        (line[0], line[1]): line[2:]
+        for line in (re.split(" {2,}", text) for text in table)
+        if line[0] in ("single-process", "DDP", "fully_shard")
+    }
+    assert len(cells) == 6
+    for counts in cells.values():  # auto, boundary, every[, one-time]: whole numbers
+        assert 3 <= len(counts) <= 4
+        for count in counts:
+            assert re.fullmatch(r"0|\d+ [a-z]{2}( \+ \d+ [a-z]{2})*", count), counts
+    assert cells["single-process", "4"] == ["0", "0", "0"]
+    assert cells["DDP", "4"] == ["1 ar", "1 ar", "4 ar", "2 bc"]
+    assert cells["fully_shard", "4"] == ["16 ag + 8 rs", "16 ag + 2 rs", "16 ag + 8 rs"]
+
+
+def rows_of(row: verify.Row, n: int, **broken: Any) -> list[verify.Row]:
+    """``n`` copies of ``row`` with paths path0, path1, ... and ``broken``'s fields."""
+    return [verify.Row(**(vars(row) | {"path": f"path{i}"} | broken)) for i in range(n)]
+
+
+def test_report_names_the_failed_rows_and_why() -> None:
+    """A failing table ends in which rows failed and why, and still fits 100 columns,
+    even when every promise of 8 rows is broken."""
+    row = verify.run_single_process(4, torch.device("cpu"))
+    rows = [row, *rows_of(row, 1, deferred_reductions=3, max_abs_diff=1.5e-3)]
+    lines = verify.report(rows, "cpu").splitlines()
+    assert lines[-3:-1] == [
+        "FAIL path0 (python), steps 4: gradient off the reference by 1.5e-03 (> 1e-10)",
+        "FAIL path0 (python), steps 4: 3 deferred reductions ran",
+    ]
+    assert lines[-1] == "1 of 2 rows FAILED (gradient, deferred reductions): path0 steps 4."
+    everything = {
+        "optimizer_steps": -1,
+        "max_abs_diff": float("nan"),
+        "host_syncs_off_boundary": 1,
+        "deferred_reductions": 1,
+    }
+    lines = verify.report(rows_of(row, 8, **everything), "cpu").splitlines()
+    assert max(len(line) for line in lines) <= verify.WIDTH
+    assert lines[-1] == (
+        "8 of 8 rows FAILED (step count, gradient, deferred reductions, host syncs): "
+        "see FAIL above."
+    )
+    assert sum(line.startswith("FAIL path") for line in lines) == 8 * 4
+
+
+def test_wide_report_puts_each_row_on_one_line() -> None:
+    """--wide: one line per row with the collectives, the one-time ones and peak memory."""
+    row = verify.run_single_process(4, torch.device("cpu"))
+    ddp = verify.Row(
+        **(
+            vars(row)
+            | {
+                "path": "DDP",
+                "collectives_per_window": {
+                    "auto": {"ar": 1},
+                    "boundary": {"ar": 1},
+                    "every": {"ar": 4},
+                },
+                "collectives_one_time": {p: {"bc": 2} for p in ("auto", "boundary", "every")},
+                "peak_memory_bytes": 4096,
+            }
+        )
+    )
+    lines = verify.report([row, ddp], "cuda", wide=True).splitlines()
+    assert lines[1].split("  ")[0] == "path"
+    assert "peak memory" in lines[1]
+    assert lines[2].startswith("single-process")
+    assert lines[3].startswith("DDP")
+    assert re.split(" {2,}", lines[3])[-4:] == ["1 ar | 1 ar | 4 ar", "2 bc", "4096 B", "ok"]
+    assert lines[-1].startswith("All 2 rows held:")
 
 
 def test_a_wrong_row_fails() -> None:
@@ -75,15 +179,17 @@ def test_verify_catches_arming_after_the_forward() -> None:
 
 
 def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
-    """No subcommand, or a bad --steps, is a usage error (exit 2)."""
+    """No command, a bad --steps or --nproc, or --wide with --json, is a usage error
+    (exit 2) naming the option."""
     from gradaccum.__main__ import main
 
-    assert main([]) == 2
-    with pytest.raises(SystemExit) as caught:
-        main(["verify", "--steps", "0"])
-    assert caught.value.code == 2
-    assert "--steps" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as caught:
-        main(["verify", "--nproc", "0"])
-    assert caught.value.code == 2
-    assert "--nproc" in capsys.readouterr().err
+    for argv, named in (
+        ([], "COMMAND"),
+        (["verify", "--steps", "0"], "--steps"),
+        (["verify", "--nproc", "0"], "--nproc"),
+        (["verify", "--wide", "--json"], "--json"),
+    ):
+        with pytest.raises(SystemExit) as caught:
+            main(argv)
+        assert caught.value.code == 2
+        assert named in capsys.readouterr().err
