@@ -1,7 +1,7 @@
-"""The seams of the window state machine on one process: resuming after a change of steps
-or from the top of the loop body, parameter groups added between windows, the steps setter
-at a window start, windows across epochs, item totals in float16, misuse that would lose
-data, and a failure after the update was applied."""
+"""The accumulator (the facade) where its parts meet, on one process: resuming after a
+change of steps or from the top of the loop body, parameter groups added between windows,
+the steps setter at a window start, windows across epochs, item totals in float16, misuse
+that would lose data, and a failure after the update was applied."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The seams on real gloo ranks: the steps setter keeps an unsized epoch's trailing window,
+"""The accumulator where its parts meet, on real gloo ranks: the steps setter keeps an unsized epoch's trailing window,
 num_items normalizes exactly over 3 ranks, a mid-window checkpoint of an iterable without
 len resumes bit for bit, and a scheduler failing after the optimizer step counts the window
 as applied on every rank."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from tests import seams_distributed
+from tests import accumulator_distributed
 from tests.distributed import run
 from tests.helpers import make_model, reference_sgd
 from tests.test_distributed import global_windows
@@ -21,7 +21,7 @@ def test_steps_setter_at_window_start_keeps_the_unsized_trailing_window_under_dd
     and 1 on both ranks, i.e. 3 optimizer steps, the same all-reduces (3 length
     agreements, 3 gradient all-reduces), no warning, and parameters equal to the run
     without the setter."""
-    for runs in run(seams_distributed.same_steps_at_window_starts, 2):
+    for runs in run(accumulator_distributed.same_steps_at_window_starts, 2):
         plain, setter = (
             [r["optimizer_steps"], r["global_step"], r["warnings"]] for r in runs.values()
         )
@@ -43,7 +43,7 @@ def test_num_items_over_three_ranks_matches_the_float64_reference() -> None:
     sizes = [[1 + (2 * i + r) % 7 for i in range(13)] for r in range(world)]
     windows = global_windows(sizes, world)
     expected = list(reference_sgd(make_model(), windows, lr=0.1).parameters())
-    for runs in run(seams_distributed.items_over_ranks, world, sizes):
+    for runs in run(accumulator_distributed.items_over_ranks, world, sizes):
         for kind, training in runs.items():
             assert training["global_step"] == len(windows) == 3
             assert training["collectives"]["c10d::allreduce_"] == 1 + 2 * len(windows)
@@ -60,7 +60,7 @@ def test_ddp_mid_window_resume_of_an_unsized_iterable_is_bit_for_bit() -> None:
     loads its own state into fresh objects and re-iterates the same data. In all exactly 3
     optimizer steps (1 before, 2 after), global_step 3, and parameters, AdamW state and
     LR equal to the uninterrupted run's on both ranks."""
-    for outcome in run(seams_distributed.resume_unsized_mid_window, 2):
+    for outcome in run(accumulator_distributed.resume_unsized_mid_window, 2):
         assert outcome == {
             "saved_at": (1, 4),
             "optimizer_steps": (3, 1, 2),  # uninterrupted; before and after the checkpoint
@@ -79,7 +79,7 @@ def test_ddp_scheduler_failing_after_the_step_counts_the_window_on_every_rank() 
     it accepts, with global_step 3 and position 6 (window 3's microbatches count as
     trained); the parameters equal, on both ranks, a run whose scheduler stops instead of
     raising."""
-    outcomes = run(seams_distributed.scheduler_fails_after_the_step, 2)
+    outcomes = run(accumulator_distributed.scheduler_fails_after_the_step, 2)
     for rank, seen in enumerate(outcomes):
         assert seen["caught"] is not None, f"rank {rank} raised nothing"
         error, _, _ = seen["caught"].partition(".")  # up to the end of the first sentence
