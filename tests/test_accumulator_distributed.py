@@ -1,7 +1,7 @@
-"""The accumulator where its parts meet, on real gloo ranks: the steps setter keeps an unsized epoch's trailing window,
-num_items normalizes exactly over 3 ranks, a mid-window checkpoint of an iterable without
-len resumes bit for bit, and a scheduler failing after the optimizer step counts the window
-as applied on every rank."""
+"""The accumulator where its parts meet, on real gloo ranks: the steps setter keeps an
+unsized epoch's trailing window, num_items normalizes exactly over 3 ranks, a mid-window
+checkpoint of an iterable without len resumes bit for bit, and a scheduler failing after
+the optimizer step counts the window as applied on every rank."""
 
 from __future__ import annotations
 
