@@ -264,7 +264,7 @@ class Accumulator:
             self._strategy, self._armed = strategy, None
         self._steps = steps
         plan = self._plan
-        plan.recut()
+        plan.recut(steps)
         # A microbatch handed out already (set at the top of the loop body) opens the window.
         self._window.reset(plan.window_size(steps, 0) if plan.pending else steps)
         self._arm()
@@ -491,7 +491,7 @@ class Accumulator:
         """
         if not applied:
             self._clear_window()
-            self._plan.recut()  # the epoch's next windows start after the failed microbatch
+            self._plan.recut(self._steps)  # the next windows start after the failed microbatch
         if self._ranks.count == 1 or isinstance(error, NonFiniteError):  # every rank raised that
             return
         number = self._global_step + (not applied)
@@ -592,13 +592,15 @@ class Accumulator:
         """A sized epoch: up to where the plan ends its trained microbatches, asked anew
         before each hand-out (``steps`` may change between windows)."""
         plan = self._plan
-        while plan.position < (plan.trained_end(self._steps) or 0):
-            item = next(iterator, _END)
-            if item is _END:
-                msg = f"the iterable ended after {plan.position} items; its len() promised {n}"
-                raise ConfigError(msg)
+        if plan.position >= (plan.trained_end or 0):
+            return
+        for item in iterator:
             self._hand_out(n - plan.position - 1)
             yield item
+            if plan.position >= (plan.trained_end or 0):
+                return
+        msg = f"the iterable ended after {plan.position} items; its len() promised {n}"
+        raise ConfigError(msg)
 
     def _look_ahead(self, iterator: Iterator[T]) -> Iterator[T]:
         """An unsized epoch on one rank: one item ahead, so that the last is known to be last."""
@@ -637,16 +639,19 @@ class Accumulator:
             yield item
 
     def _hand_out(self, remaining: int | None) -> None:
-        """Size the window and arm its sync before a microbatch reaches the user's forward."""
-        self._plan.hand_out(remaining)
-        self._window.size = self._plan.window_size(self._steps, self._window.done)
-        self._arm()
+        """Size the window before a microbatch reaches the user's forward, and arm its sync
+        when that changed the size (otherwise the last block's exit armed it already)."""
+        window = self._window
+        size = self._plan.hand_out(remaining, self._steps, window.done)
+        if size != window.size:
+            window.size = size
+            self._arm()
 
     def _end_epoch(self, *, guard: bool) -> None:
         """The epoch ran out: drop a window it left open, and apply the guard (``guard``: an
         unsized epoch, not resumed, that closed no window)."""
         plan, window = self._plan, self._window
-        position, dropped = plan.position, plan.dropped(self._steps)
+        position, dropped = plan.position, plan.dropped()
         plan.end(completed=True)
         if window.is_open:
             if not dropped:

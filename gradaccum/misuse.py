@@ -90,10 +90,13 @@ class GradWatch:
 
     def start(self, optimizer: torch.optim.Optimizer) -> None:
         """After a window's first backward: watch the optimizer's first gradient."""
-        params = (param for group in optimizer.param_groups for param in group["params"])
-        self._param = next((param for param in params if param.grad is not None), None)
-        self._grad = None if self._param is None else self._param.grad
-        self.update()
+        self._param = self._grad = None
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    self._param, self._grad = param, param.grad
+                    self._version = param.grad._version
+                    return
 
     def update(self) -> None:
         """After a later backward, which accumulated into the watched gradient."""

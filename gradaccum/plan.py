@@ -28,6 +28,8 @@ class EpochPlan:
             does not move it, so its microbatches are not counted as trained.
         cut_at: Where the current cut of the epoch into windows starts: the epoch's (or
             the resumed window's) start, or the window start at the last ``steps`` change.
+        trained_end: Where the trained microbatches of a sized epoch end, with the current
+            cut; None when the length is unknown.
         pending: The microbatch handed out last has not reached a microstep yet.
         remaining: How many microbatches follow the one handed out last, when known.
         active: An epoch is being iterated.
@@ -44,6 +46,7 @@ class EpochPlan:
         "position",
         "remaining",
         "resume_at",
+        "trained_end",
     )
 
     def __init__(self, drop_last: bool) -> None:
@@ -52,6 +55,7 @@ class EpochPlan:
         self.position = self.closed_at = self.cut_at = self.resume_at = 0
         self.pending = False
         self.remaining: int | None = None
+        self.trained_end: int | None = None
         self.active = False
 
     def begin(self, length: int | None, steps: int) -> int:
@@ -83,7 +87,7 @@ class EpochPlan:
         self.position = skip
         if skip == 0:
             self.closed_at = 0
-        self.cut_at = self.closed_at
+        self.cut(steps, self.closed_at)
         self.resume_at = 0
         self.pending = False
         self.remaining = None
@@ -96,27 +100,33 @@ class EpochPlan:
         self.active = False
         self.pending = False
         if completed:
-            self.length = None
+            self.length = self.trained_end = None
             self.position = self.closed_at = self.cut_at = 0
 
-    def recut(self) -> None:
-        """``steps`` changed between windows: cut the rest of the epoch from the next
-        window's start (before a microbatch handed out already, at the top of the loop)."""
-        self.cut_at = self.position - self.pending
-
-    def trained_end(self, steps: int) -> int | None:
-        """Where the trained microbatches of a sized epoch end, with windows of ``steps``
-        cut from `cut_at`; None when the length is unknown."""
+    def cut(self, steps: int, at: int) -> None:
+        """Cut the rest of the epoch into windows of ``steps`` from microbatch ``at``."""
+        self.cut_at = at
         if self.length is None:
-            return None
-        start = min(self.cut_at, self.length)
-        return start + trained_microbatches(self.length - start, steps, self.drop_last)
+            self.trained_end = None
+        else:
+            start = min(at, self.length)
+            self.trained_end = start + trained_microbatches(
+                self.length - start, steps, self.drop_last
+            )
 
-    def hand_out(self, remaining: int | None) -> None:
-        """One more microbatch reaches the user; ``remaining`` follow it, when known."""
+    def recut(self, steps: int) -> None:
+        """``steps`` changed between windows, or a window failed: cut the rest of the epoch
+        from the next window's start (before a microbatch handed out already, at the top
+        of the loop body)."""
+        self.cut(steps, self.position - self.pending)
+
+    def hand_out(self, remaining: int | None, steps: int, done: int) -> int:
+        """One more microbatch reaches the user, ``done`` microsteps into its window, and
+        ``remaining`` follow it, when known; return the size of its window."""
         self.position += 1
         self.pending = True
         self.remaining = remaining
+        return self.window_size(steps, done)
 
     def window_size(self, steps: int, done: int) -> int:
         """The size of the window that the microbatch handed out last belongs to, ``done``
@@ -126,10 +136,10 @@ class EpochPlan:
             return steps
         return min(steps, done + 1 + self.remaining)
 
-    def dropped(self, steps: int) -> bool:
+    def dropped(self) -> bool:
         """A window left open at the epoch's end was meant to be dropped (the trailing
         partial window of a ``drop_last`` epoch), rather than left incomplete by the loop."""
-        end = self.trained_end(steps)
+        end = self.trained_end
         return self.drop_last and (end is None or self.position > end)
 
     def checkpoint_position(self, window_done: int) -> int:

@@ -72,13 +72,12 @@ class Driver:
         """``acc.steps = steps`` (between windows)."""
         assert self.done == 0
         self.steps = steps
-        self.plan.recut()
+        self.plan.recut(steps)
         self.size = self.plan.window_size(steps, 0) if self.plan.pending else steps
         self.applied[self.boundary] = steps
 
     def hand_out(self, remaining: int | None) -> None:
-        self.plan.hand_out(remaining)
-        self.size = self.plan.window_size(self.steps, self.done)
+        self.size = self.plan.hand_out(remaining, self.steps, self.done)
 
     def microstep(self) -> None:
         """One microstep's block entered and exited; the window closes after ``size``."""
@@ -107,7 +106,7 @@ class Driver:
     def sized_epoch(self, n: int) -> None:
         plan = self.plan
         plan.begin(n, self.steps)
-        while plan.position < (plan.trained_end(self.steps) or 0):
+        while plan.position < (plan.trained_end or 0):
             self.loop_body(n - plan.position - 1)
         self._end()
 
@@ -119,7 +118,7 @@ class Driver:
         self._end()
 
     def _end(self) -> None:
-        self.dropped = self.plan.dropped(self.steps)
+        self.dropped = self.plan.dropped()
         self.plan.end(completed=True)
         self.left_open = self.done
         self.done, self.size = 0, self.steps
@@ -268,21 +267,24 @@ class TestEpochPlanWindowSize:
         """Without drop_last a window is ``steps``, or what is left of the epoch (the
         microsteps done, the one handed out, and those that follow) when that is less."""
         plan = EpochPlan(drop_last=False)
-        plan.hand_out(remaining)
+        size = plan.hand_out(remaining, steps, done)
+        assert size == plan.window_size(steps, done)
         assert plan.window_size(steps, done) == min(steps, done + 1 + remaining)
 
     @given(steps=strategies.steps, done=st.integers(0, 5), remaining=st.integers(0, 20))
     def test_drop_last_windows_are_whole(self, steps: int, done: int, remaining: int) -> None:
         """Under drop_last a window is always ``steps``: a shorter tail is dropped."""
         plan = EpochPlan(drop_last=True)
-        plan.hand_out(remaining)
+        size = plan.hand_out(remaining, steps, done)
+        assert size == plan.window_size(steps, done)
         assert plan.window_size(steps, done) == steps
 
     @given(steps=strategies.steps, done=st.integers(0, 5), drop_last=st.booleans())
     def test_unknown_remainder_gives_steps(self, steps: int, done: int, drop_last: bool) -> None:
         """When what follows is unknown the window is ``steps``."""
         plan = EpochPlan(drop_last)
-        plan.hand_out(None)
+        size = plan.hand_out(None, steps, done)
+        assert size == plan.window_size(steps, done)
         assert plan.window_size(steps, done) == steps
 
 
@@ -291,7 +293,7 @@ class TestEpochPlanTrainedEnd:
         """An unsized epoch has no planned end."""
         plan = EpochPlan(drop_last=True)
         plan.begin(None, 4)
-        assert plan.trained_end(4) is None
+        assert plan.trained_end is None
 
     @given(n=st.integers(1, 60), steps=strategies.steps, cut=st.integers(0, 80))
     def test_from_the_cut(self, n: int, steps: int, cut: int) -> None:
@@ -299,11 +301,12 @@ class TestEpochPlanTrainedEnd:
         all the microbatches after it, never past the epoch."""
         for drop_last in (False, True):
             plan = EpochPlan(drop_last)
-            plan.length, plan.cut_at = n, cut
+            plan.length = n
+            plan.cut(steps, cut)
             start = min(cut, n)
             expected = start + ((n - start) // steps * steps if drop_last else n - start)
-            assert plan.trained_end(steps) == expected
-            assert plan.trained_end(steps) <= n
+            assert plan.trained_end == expected
+            assert plan.trained_end <= n
 
 
 class TestEpochPlanDropped:
@@ -311,15 +314,15 @@ class TestEpochPlanDropped:
         """Without drop_last a window left open at the end is never meant to be dropped."""
         plan = EpochPlan(drop_last=False)
         plan.begin(None, 4)
-        plan.hand_out(None)
-        assert not plan.dropped(4)
+        plan.hand_out(None, 4, 0)
+        assert not plan.dropped()
 
     def test_unsized_drop_last_drops_the_tail(self) -> None:
         """An unsized drop_last epoch drops whatever window is left open at its end."""
         plan = EpochPlan(drop_last=True)
         plan.begin(None, 4)
-        plan.hand_out(0)
-        assert plan.dropped(4)
+        plan.hand_out(0, 4, 0)
+        assert plan.dropped()
 
     def test_sized_drop_last_drops_only_past_the_trained_end(self) -> None:
         """A sized drop_last epoch drops a window left open only past its trained end;
@@ -327,12 +330,12 @@ class TestEpochPlanDropped:
         plan = EpochPlan(drop_last=True)
         plan.begin(10, 4)
         for _ in range(7):
-            plan.hand_out(None)
-        assert not plan.dropped(4)  # 7 of the 8 trained: the loop stopped early
-        plan.hand_out(None)
-        assert not plan.dropped(4)  # 8: the end of the trained microbatches
-        plan.hand_out(None)
-        assert plan.dropped(4)  # 9: past it (after a steps change at the top)
+            plan.hand_out(None, 4, 0)
+        assert not plan.dropped()  # 7 of the 8 trained: the loop stopped early
+        plan.hand_out(None, 4, 0)
+        assert not plan.dropped()  # 8: the end of the trained microbatches
+        plan.hand_out(None, 4, 0)
+        assert plan.dropped()  # 9: past it (after a steps change at the top)
 
 
 class TestEpochPlanCheckpointPosition:
@@ -355,12 +358,12 @@ class TestEpochPlanCheckpointPosition:
         the last back-propagated one: a pending microbatch is not counted."""
         plan = EpochPlan(drop_last=False)
         plan.begin(10, 4)
-        plan.hand_out(9)
+        plan.hand_out(9, 4, 0)
         plan.pending = False  # its microstep
-        plan.hand_out(8)
+        plan.hand_out(8, 4, 0)
         plan.pending = False
         assert plan.checkpoint_position(2) == 2
-        plan.hand_out(7)  # the top of the loop body, pending
+        plan.hand_out(7, 4, 0)  # the top of the loop body, pending
         assert plan.checkpoint_position(2) == 2
 
     def test_a_failed_window_is_not_counted(self) -> None:
@@ -447,10 +450,10 @@ class TestEpochPlanResume:
         plan.load(5, 0)
         assert plan.begin(13, 4) == 5
         assert (plan.position, plan.closed_at, plan.cut_at) == (5, 5, 5)
-        assert plan.trained_end(4) == 13
+        assert plan.trained_end == 13
         plan.end(completed=True)
         assert plan.begin(13, 4) == 0
-        assert plan.trained_end(4) == 12
+        assert plan.trained_end == 12
 
     def test_load_mid_window_cuts_from_the_window_start(self) -> None:
         """load(position, done) resumes at ``position`` inside a window that started
@@ -492,7 +495,7 @@ class TestEpochPlanBegin:
         epoch is untouched."""
         plan = EpochPlan(drop_last=False)
         plan.begin(10, 4)
-        plan.hand_out(8)
+        plan.hand_out(8, 4, 0)
         with pytest.raises(UsageError) as caught:
             plan.begin(10, 4)
         assert str(caught.value) == (
