@@ -12,8 +12,9 @@ uninterrupted run does after a ``steps`` change. Versions 1 and 2 (no ``skipped_
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, TypedDict
+from copy import copy
+from dataclasses import dataclass, fields
+from typing import Any, TypedDict, cast
 
 from typing_extensions import NotRequired
 
@@ -63,15 +64,9 @@ class SavedWindow:
     grads: list[Any]
 
     def to_dict(self) -> WindowDict:
-        return WindowDict(
-            microsteps=self.microsteps,
-            size=self.size,
-            divisor=self.divisor,
-            by_items=self.by_items,
-            items=list(self.items),
-            losses=list(self.losses),
-            grads=list(self.grads),
-        )
+        """The saved form: the same fields (lists copied, tensors shared)."""
+        saved = {field.name: getattr(self, field.name) for field in fields(self)}
+        return cast(WindowDict, {key: copy(value) for key, value in saved.items()})
 
 
 @dataclass(frozen=True)
