@@ -151,6 +151,15 @@ def train(
     )
 
 
+def train_each_policy(
+    rank: int, world: int, kind: str, sizes: list[list[int]], **options: Any
+) -> dict[str, Training]:
+    """`train` under each sync policy in turn, in one launch: the ranks' start-up and
+    process group, which dominate, are shared by the three."""
+    policies: tuple[gradaccum.SyncPolicy, ...] = ("auto", "boundary", "every")
+    return {sync: train(rank, world, kind, sizes, sync=sync, **options) for sync in policies}
+
+
 def finish(
     model: nn.Module, kind: str, acc: gradaccum.Accumulator, counter: OpCounter, **rest: Any
 ) -> Training:

@@ -3,6 +3,8 @@ collectives each sync policy runs per window, counted at the dispatcher."""
 
 from __future__ import annotations
 
+import copy
+import functools
 import itertools
 import os
 import subprocess
@@ -39,6 +41,18 @@ def assert_matches_reference(trainings: list[Training], windows: list[list[Batch
             assert (got - want).abs().max().item() < TOL
 
 
+@functools.cache
+def _each_policy(kind: str, world: int) -> dict[str, list[Training]]:
+    per_rank = run(distributed.train_each_policy, world, kind, EQUAL)
+    return {sync: [rank[sync] for rank in per_rank] for sync in per_rank[0]}
+
+
+def trained(kind: str, world: int, sync: str) -> list[Training]:
+    """Every rank's `Training` of ``kind`` on `EQUAL` under ``sync``: the three policies
+    are launched once per wrapping and shared by the tests that read them (a copy each)."""
+    return copy.deepcopy(_each_policy(kind, world)[sync])
+
+
 def per_window(trainings: list[Training], name: str, windows: int) -> set[float]:
     """``c10d::<name>`` ops per window, as the set of what the ranks saw."""
     return {t.collectives.get(f"c10d::{name}", 0) / windows for t in trainings}
@@ -58,14 +72,14 @@ def per_window(trainings: list[Training], name: str, windows: int) -> set[float]
 @pytest.mark.parametrize("sync", ["auto", "boundary", "every"])
 def test_every_wrapping_equals_the_big_batch_reference(kind: str, world: int, sync: str) -> None:
     """steps=4 over 13 microbatches per rank, different data per rank: within 1e-10."""
-    trainings = run(train, world, kind, EQUAL, sync=sync)
+    trainings = trained(kind, world, sync)
     assert_matches_reference(trainings, global_windows(EQUAL, world))
 
 
 @pytest.mark.parametrize("sync", ["auto", "boundary", "every"])
 def test_ddp_with_find_unused_parameters_defers_exactly(sync: str) -> None:
     """find_unused_parameters=True with a layer never used: exact, the layer untouched."""
-    trainings = run(train, 2, "ddp_unused", EQUAL, sync=sync)
+    trainings = trained("ddp_unused", 2, sync)
     untouched = list(distributed.PartlyUsed(make_model()).unused.parameters())
     for training in trainings:
         used, unused = training.params[:-2], training.params[-2:]
@@ -98,7 +112,7 @@ def test_ddp_with_find_unused_parameters_defers_exactly(sync: str) -> None:
 )
 def test_collectives_per_window(kind: str, sync: str, expected: dict[str, float]) -> None:
     """Counted at the dispatcher on every rank: what each policy costs per window."""
-    trainings = run(train, 2, kind, EQUAL, sync=sync)
+    trainings = trained(kind, 2, sync)
     for name, per in expected.items():
         assert per_window(trainings, name, 3) == {per}, name
 
@@ -106,7 +120,7 @@ def test_collectives_per_window(kind: str, sync: str, expected: dict[str, float]
 def test_hsdp_all_reduces_once_per_window_under_auto() -> None:
     """2x2 mesh: reduce-scatter every microstep, all-reduce across replicas on the boundary."""
     for sync, scatters, reduces in (("auto", 4, 1), ("boundary", 1, 1), ("every", 4, 4)):
-        trainings = run(train, 4, "hsdp", EQUAL, sync=sync)
+        trainings = trained("hsdp", 4, sync)
         assert per_window(trainings, "_reduce_scatter_base_", 3) == {scatters * UNITS}, sync
         assert per_window(trainings, "allreduce_", 3) == {reduces * UNITS}, sync
         assert_matches_reference(trainings, global_windows(EQUAL, 4))
