@@ -265,8 +265,7 @@ class Accumulator:
         self._steps = steps
         plan = self._plan
         plan.recut(steps)
-        # A microbatch handed out already (set at the top of the loop body) opens the window.
-        self._window.reset(plan.window_size(steps, 0) if plan.pending else steps)
+        self._window.reset(plan.next_window_size(steps))
         self._arm()
 
     @property
@@ -356,7 +355,8 @@ class Accumulator:
     def _enter(self, loss: torch.Tensor, num_items: int | torch.Tensor | None) -> Step:
         window = self._window
         window.in_block = True
-        self._plan.pending = False
+        if self._plan.active:  # (a microstep outside the epoch uses no microbatch of it)
+            self._plan.pending = False
         try:
             if window.done == 0:
                 window.open(num_items is not None)
@@ -565,17 +565,17 @@ class Accumulator:
                 "the ranks' epochs have between {least} and {most} microbatches; every "
                 "rank trains on the first {least}",
             )
-        skip = plan.begin(n, self._steps)
+        resume = plan.begin(n, self._steps)
         started_at = self._global_step
         completed = False
         try:
-            if self._window.is_open and not skip:
+            if self._window.is_open and resume is None:
                 warn(
                     f"discarding the {self._window.done} microsteps of a window left open by "
                     "the previous epoch: windows never span epochs"
                 )
                 self._clear_window()
-            iterator = _skipped(iter(iterable), skip)
+            iterator = _skipped(iter(iterable), resume or 0)
             if n is not None:
                 yield from self._sized(iterator, n)
             elif self._ranks.count > 1:
@@ -586,7 +586,8 @@ class Accumulator:
         finally:
             if not completed:
                 plan.end(completed=False)
-        self._end_epoch(guard=n is None and not skip and self._global_step == started_at)
+                self._unplanned_window()
+        self._end_epoch(guard=n is None and not resume and self._global_step == started_at)
 
     def _sized(self, iterator: Iterator[T], n: int) -> Iterator[T]:
         """A sized epoch: up to where the plan ends its trained microbatches, asked anew
@@ -649,7 +650,7 @@ class Accumulator:
 
     def _end_epoch(self, *, guard: bool) -> None:
         """The epoch ran out: drop a window it left open, and apply the guard (``guard``: an
-        unsized epoch, not resumed, that closed no window)."""
+        unsized epoch, run from its start, that closed no window)."""
         plan, window = self._plan, self._window
         position, dropped = plan.position, plan.dropped()
         plan.end(completed=True)
@@ -660,13 +661,18 @@ class Accumulator:
                     "end of the epoch: call acc.microstep() once for every microbatch"
                 )
             self._clear_window()
-        else:
-            window.reset(self._steps)  # a trailing window's size does not carry over
-            self._arm()
+        self._unplanned_window()
         if guard:
             check_epoch_length(
                 position, self._steps, self._options.drop_last, discarded=self._ranks.count == 1
             )
+
+    def _unplanned_window(self) -> None:
+        """Outside an epoch, a window that has not started takes ``steps`` microsteps: a
+        trailing window's size, planned for the epoch, does not carry over."""
+        if not self._window.is_open:
+            self._window.reset(self._steps)
+            self._arm()
 
     # Checkpoints ------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ class EpochPlan:
         pending: The microbatch handed out last has not reached a microstep yet.
         remaining: How many microbatches follow the one handed out last, when known.
         active: An epoch is being iterated.
-        resume_at: Microbatches the next epoch skips (set by a load).
+        resume_at: Where the next epoch resumes (set by a load), or None: from its start.
     """
 
     __slots__ = (
@@ -52,14 +52,16 @@ class EpochPlan:
     def __init__(self, drop_last: bool) -> None:
         self.drop_last = drop_last
         self.length: int | None = None
-        self.position = self.closed_at = self.cut_at = self.resume_at = 0
+        self.position = self.closed_at = self.cut_at = 0
+        self.resume_at: int | None = None
         self.pending = False
         self.remaining: int | None = None
         self.trained_end: int | None = None
         self.active = False
 
-    def begin(self, length: int | None, steps: int) -> int:
-        """Start an epoch of ``length`` microbatches (None: unknown); return how many to skip.
+    def begin(self, length: int | None, steps: int) -> int | None:
+        """Start an epoch of ``length`` microbatches (None: unknown); return the loaded
+        position it resumes at (the microbatches to skip), or None for a fresh epoch.
 
         Raises:
             UsageError: Another epoch of this accumulator is being iterated.
@@ -73,9 +75,10 @@ class EpochPlan:
                 "it, or call its close() before starting the next"
             )
             raise UsageError(msg)
-        skip = self.resume_at
+        resume = self.resume_at
+        skip = resume or 0
         if length is not None:
-            if skip == 0:
+            if skip == 0:  # the whole epoch is ahead: the guard applies
                 check_epoch_length(length, steps, self.drop_last, discarded=False)
             elif skip > length:
                 msg = (
@@ -85,21 +88,22 @@ class EpochPlan:
                 raise ConfigError(msg)
         self.length = length
         self.position = skip
-        if skip == 0:
+        if resume is None:
             self.closed_at = 0
         self.cut(steps, self.closed_at)
-        self.resume_at = 0
+        self.resume_at = None
         self.pending = False
         self.remaining = None
         self.active = True
-        return skip
+        return resume
 
     def end(self, completed: bool) -> None:
         """The epoch's iteration stopped: it ran out (``completed``) or was broken off, in
-        which case its position stays for a checkpoint."""
+        which case its position stays for a checkpoint (a microbatch handed out but not
+        back-propagated stays uncounted)."""
         self.active = False
-        self.pending = False
         if completed:
+            self.pending = False
             self.length = self.trained_end = None
             self.position = self.closed_at = self.cut_at = 0
 
@@ -119,6 +123,7 @@ class EpochPlan:
         from the next window's start (before a microbatch handed out already, at the top
         of the loop body)."""
         self.cut(steps, self.position - self.pending)
+        self._restored_window_ended()
 
     def hand_out(self, remaining: int | None, steps: int, done: int) -> int:
         """One more microbatch reaches the user, ``done`` microsteps into its window, and
@@ -136,6 +141,12 @@ class EpochPlan:
             return steps
         return min(steps, done + 1 + self.remaining)
 
+    def next_window_size(self, steps: int) -> int:
+        """The size of the window that opens next, with ``steps``: that of the microbatch
+        handed out last when it awaits its microstep in the epoch (``steps`` set at the
+        top of the loop body), else ``steps``."""
+        return self.window_size(steps, 0) if self.active and self.pending else steps
+
     def dropped(self) -> bool:
         """A window left open at the epoch's end was meant to be dropped (the trailing
         partial window of a ``drop_last`` epoch), rather than left incomplete by the loop."""
@@ -151,11 +162,20 @@ class EpochPlan:
     def close_window(self) -> None:
         """A window closed (applied or skipped): the next starts after its microbatches."""
         self.closed_at = self.position - self.pending
+        self._restored_window_ended()
+
+    def _restored_window_ended(self) -> None:
+        # A load at an epoch's start resumes only to carry its open window into the next
+        # epoch; once that window closed or failed, the next epoch is a fresh one.
+        if self.resume_at == 0:
+            self.resume_at = None
 
     def load(self, position: int, window_done: int) -> None:
         """Resume at ``position`` of an epoch, ``window_done`` microsteps into a window: the
-        next epoch skips that many microbatches."""
-        self.resume_at = self.position = position
+        next epoch skips that many microbatches (a state at an epoch's start without an
+        open window resumes nothing: the next epoch is a fresh one)."""
+        self.position = position
+        self.resume_at = position if position or window_done else None
         self.closed_at = self.cut_at = max(0, position - window_done)  # (outside an epoch: 0)
         self.pending = False
         self.remaining = None

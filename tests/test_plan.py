@@ -112,7 +112,7 @@ class Driver:
 
     def unsized_epoch(self, n: int) -> None:
         """One rank, one item of look-ahead: only the last item's ``remaining`` is known."""
-        skip = self.plan.begin(None, self.steps)
+        skip = self.plan.begin(None, self.steps) or 0
         for item in range(skip, n):
             self.loop_body(0 if item == n - 1 else None)
         self._end()
@@ -452,7 +452,7 @@ class TestEpochPlanResume:
         assert (plan.position, plan.closed_at, plan.cut_at) == (5, 5, 5)
         assert plan.trained_end == 13
         plan.end(completed=True)
-        assert plan.begin(13, 4) == 0
+        assert plan.begin(13, 4) is None  # a fresh epoch
         assert plan.trained_end == 12
 
     def test_load_mid_window_cuts_from_the_window_start(self) -> None:
@@ -505,12 +505,30 @@ class TestEpochPlanBegin:
         )
         assert (plan.active, plan.position, plan.length) == (True, 1, 10)
 
+    def test_a_load_at_position_0_is_a_resume(self) -> None:
+        """load(0, done) (a window saved outside an epoch) resumes: begin() returns 0, not
+        None, so the restored window is kept rather than discarded as a stale one."""
+        plan = EpochPlan(drop_last=False)
+        plan.load(0, 1)
+        assert plan.begin(10, 4) == 0
+
+    def test_a_break_keeps_the_pending_microbatch_uncounted(self) -> None:
+        """A break at the top of the loop body ends the epoch with the microbatch handed
+        out but not back-propagated: a checkpoint still does not count it."""
+        plan = EpochPlan(drop_last=True)
+        plan.begin(10, 2)
+        plan.hand_out(8, 2, 0)
+        plan.pending = False  # its microstep
+        plan.hand_out(7, 2, 1)  # the top of the next loop body
+        plan.end(completed=False)
+        assert plan.checkpoint_position(window_done=1) == 1
+
     def test_after_end_a_new_epoch_begins(self) -> None:
         """Once the epoch ended, run out or broken off, the next begins from 0."""
         plan = EpochPlan(drop_last=False)
         plan.begin(10, 4)
         plan.end(completed=False)
-        assert plan.begin(10, 4) == 0
+        assert plan.begin(10, 4) is None
         assert plan.position == 0
 
     def test_broken_off_epoch_keeps_its_position(self) -> None:
