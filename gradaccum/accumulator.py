@@ -175,25 +175,12 @@ class Accumulator:
             sync=checks.check_choice(sync, "sync", get_args(SyncPolicy)),
             on_nonfinite=checks.check_on_nonfinite(on_nonfinite, scaler),
         )
-        previous = stepping.owner_of(optimizer)
-        if previous is not None and previous._window.is_open:
-            msg = (
-                f"optimizer is owned by another open Accumulator, whose window is open "
-                f"({previous._window.where()}); finish that window and close() it, or "
-                "pass another optimizer"
-            )
-            raise UsageError(msg)
+        previous = _owner_between_windows(optimizer)
         self.model = model
         self._strategy = self._strategy_for(steps)
         # Everything is validated: from here on the accumulator changes state.
         if previous is not None:
-            previous._life.close(" (a newer Accumulator took over its optimizer)")
-            previous._release()
-            warn(
-                "this Accumulator closed the previous Accumulator on the same optimizer "
-                "(it was between windows), and steps the optimizer from now on; close() "
-                "an accumulator when you are done with it"
-            )
+            previous._take_over()
         self.optimizer = optimizer
         self.scheduler = scheduler
         self._steps = steps
@@ -822,6 +809,16 @@ class Accumulator:
         self._life.close()
         self._release()
 
+    def _take_over(self) -> None:
+        """A newer accumulator takes this one's optimizer: close this one, and say so."""
+        self._life.close(" (a newer Accumulator took over its optimizer)")
+        self._release()
+        warn(
+            "this Accumulator closed the previous Accumulator on the same optimizer (it was "
+            "between windows), and steps the optimizer from now on; close() an accumulator "
+            "when you are done with it"
+        )
+
     def _release(self) -> None:
         """Give back the optimizer and the model's sync state (once)."""
         if self._stepper is not None:
@@ -882,6 +879,23 @@ class _Microstep:
 
 
 # Helpers -----------------------------------------------------------------------
+
+
+def _owner_between_windows(optimizer: torch.optim.Optimizer) -> Accumulator | None:
+    """The open accumulator that owns ``optimizer``, if any, to be taken over.
+
+    Raises:
+        UsageError: Its window is open: taking over would lose that window.
+    """
+    previous: Accumulator | None = stepping.owner_of(optimizer)
+    if previous is not None and previous._window.is_open:
+        msg = (
+            f"optimizer is owned by another open Accumulator, whose window is open "
+            f"({previous._window.where()}); finish that window and close() it, or pass "
+            "another optimizer"
+        )
+        raise UsageError(msg)
+    return previous
 
 
 def _skipped(iterator: Iterator[T], skip: int) -> Iterator[T]:
