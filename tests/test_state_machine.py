@@ -722,6 +722,11 @@ AccumulatorMachine.TestCase.settings = settings(
 )
 
 
-# Every GradaccumWarning is checked against the contract (`warnings_checked`).
-pytestmark = pytest.mark.filterwarnings("error::gradaccum.GradaccumWarning")
+# Every GradaccumWarning is checked against the contract (`warnings_checked`). The time
+# limit grows with the examples asked for (about 15 ms each here), so that the "long"
+# profile is not cut off by the suite's 300 s per-test timeout.
+pytestmark = [
+    pytest.mark.filterwarnings("error::gradaccum.GradaccumWarning"),
+    pytest.mark.timeout(max(300, EXAMPLES // 10)),
+]
 TestAccumulatorMachine = AccumulatorMachine.TestCase
