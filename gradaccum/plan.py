@@ -1,9 +1,10 @@
 """The epoch plan: which microbatches of an epoch are trained and how they are cut into
 windows (integers only, no torch).
 
-Windows are cut from the start of each window with the ``steps`` in force then, so a
-``steps`` change at any boundary, and a resume at any position, re-plan only the rest of
-the epoch. The epoch's iterator asks the plan before each hand-out.
+Windows of ``steps`` are cut from the epoch's start, and cut again from the next
+window's start when ``steps`` changes, a window fails, or a checkpoint resumes, so each
+re-plans only the rest of the epoch. The epoch's iterator asks the plan before each
+hand-out.
 """
 
 from __future__ import annotations
