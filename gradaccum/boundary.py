@@ -1,7 +1,7 @@
-"""The tensor work at a window's boundary, in the order it runs: normalize, unscale, clip,
-check. Each step reads the optimizer's parameters as they are now, so parameters added
-with ``optimizer.add_param_group`` are treated like the others. No host sync unless the
-check is asked for."""
+"""The tensor work at a window's boundary, in the order it runs: normalize, then (the
+stepper's unscale) clip and check. Each step reads the optimizer's parameters as they are
+now, so parameters added with ``optimizer.add_param_group`` are treated like the others.
+No host sync unless the check is asked for."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from gradaccum.ranks import Ranks
 from gradaccum.sync import SyncStrategy, grad_norm
 from gradaccum.window import Window
 
-__all__ = ["all_finite", "clip", "normalize", "params_of", "rescale", "scale_grads", "unscale"]
+__all__ = ["all_finite", "clip", "normalize", "params_of", "rescale", "scale_grads"]
 
 
 def params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -49,12 +49,6 @@ def rescale(params: list[torch.Tensor], window: Window) -> None:
     so the gradient is rescaled to 1/size of the microsteps it holds."""
     if window.divisor != window.size:
         scale_grads(params, window.divisor / window.size)
-
-
-def unscale(scaler: torch.amp.GradScaler | None, optimizer: torch.optim.Optimizer) -> None:
-    """Undo the GradScaler's scale once for the whole window."""
-    if scaler is not None:
-        scaler.unscale_(optimizer)
 
 
 def clip(
