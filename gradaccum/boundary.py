@@ -39,7 +39,8 @@ def normalize(params: list[torch.Tensor], window: Window, ranks: Ranks) -> int |
             raise ConfigError(msg)
         scale_grads(params, 1 / local)
         return local
-    total = torch.as_tensor(local, device=ranks.device).to(torch.float64)  # a copy: `local` stays
+    # A copy, summed over the ranks in place: `local` stays this rank's, for step.loss.
+    total = torch.as_tensor(local).to(ranks.device, torch.float64, copy=True)
     scale_grads(params, ranks.count / ranks.total(total))
     return local
 

@@ -79,25 +79,38 @@ def same_steps_at_window_starts(rank: int, world: int) -> dict[str, Any]:
 
 
 def items_over_ranks(rank: int, world: int, sizes: list[list[int]]) -> dict[str, Any]:
-    """One DDP epoch of summed losses with num_items (steps=4) on ``sizes[rank]``, once
-    with int counts and once with 0-dim tensor counts; parameters, global_step and the
-    epoch's collectives of each."""
+    """One DDP epoch of summed losses with num_items (steps=4) on ``sizes[rank]``, with int
+    counts, 0-dim int64 tensor counts and 0-dim float64 tensor counts; parameters,
+    global_step, the epoch's collectives, and how far ``step.loss`` was from this rank's
+    own item-mean loss of the window."""
     batches = rank_batches(rank, sizes[rank])
+    counts: dict[str, Any] = {
+        "int": int,
+        "tensor": torch.tensor,
+        "float64": lambda n: torch.tensor(float(n), dtype=torch.float64),
+    }
     runs = {}
-    for kind in ("int", "tensor"):
+    for kind, count in counts.items():
         model = wrap("ddp", make_model())
         acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=4)
         counter = OpCounter()
+        window: list[tuple[torch.Tensor, int]] = []
+        loss_error = 0.0
         with counter:
             for batch in acc.epoch(batches):
-                items = len(batch[0]) if kind == "int" else torch.tensor(len(batch[0]))
-                with acc.microstep(sum_loss(model, batch), num_items=items):
-                    pass
+                loss = sum_loss(model, batch)
+                window.append((loss.detach(), len(batch[0])))
+                with acc.microstep(loss, num_items=count(len(batch[0]))) as step:
+                    if step.boundary:
+                        mine = sum(part for part, _ in window) / sum(n for _, n in window)
+                        loss_error = max(loss_error, abs(float(step.loss - mine)))
+                        window = []
         acc.close()
         runs[kind] = {
             "params": full_params(model, "ddp"),
             "global_step": acc.global_step,
             "collectives": dict(counter.collectives),
+            "loss_error": loss_error,
         }
     return runs
 

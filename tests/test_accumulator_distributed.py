@@ -34,11 +34,12 @@ def test_steps_setter_at_window_start_keeps_the_unsized_trailing_window_under_dd
 
 
 def test_num_items_over_three_ranks_matches_the_float64_reference() -> None:
-    """3 DDP ranks in float64, summed losses with num_items (ints, then 0-dim tensors) that
-    differ on every rank and microbatch: within 1e-10 of the float64 big-batch reference,
-    at one gradient and one item-count all-reduce per window besides the length
-    agreement. No window's item total (46, 44, 49) is divisible by 3, so a total divided
-    by the world size in float32 is off by 2e-8 of itself (2.4e-9 in the parameters)."""
+    """3 DDP ranks in float64, summed losses with num_items (ints, int64 and float64 0-dim
+    tensors) that differ on every rank and microbatch: within 1e-10 of the float64
+    big-batch reference, at one gradient and one item-count all-reduce per window besides
+    the length agreement, and step.loss still this rank's own item-mean. No window's item
+    total (46, 44, 49) is divisible by 3, so a total divided by the world size in float32
+    is off by 2e-8 of itself (2.4e-9 in the parameters)."""
     world = 3
     sizes = [[1 + (2 * i + r) % 7 for i in range(13)] for r in range(world)]
     windows = global_windows(sizes, world)
@@ -52,6 +53,9 @@ def test_num_items_over_three_ranks_matches_the_float64_reference() -> None:
                 for got, want in zip(training["params"], expected, strict=True)
             )
             assert worst < TOL, f"num_items as {kind}: {worst:.3g} off the reference"
+            # step.loss stays this rank's own: the item total is summed over ranks in a copy.
+            assert training["loss_error"] < TOL, kind
+        assert set(runs) == {"int", "tensor", "float64"}
 
 
 def test_ddp_mid_window_resume_of_an_unsized_iterable_is_bit_for_bit() -> None:
