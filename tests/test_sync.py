@@ -184,3 +184,46 @@ def test_register_sync_strategy_refuses_bad_arguments() -> None:
         gradaccum.register_sync_strategy(3, lambda model, policy: LocalSync())  # type: ignore[arg-type]
     with pytest.raises(gradaccum.ConfigTypeError, match="factory must be callable"):
         gradaccum.register_sync_strategy(nn.Linear, None)  # type: ignore[arg-type]
+
+
+class Wrapped(nn.Module):
+    """A wrapper type of its own, registered by the tests below."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(2, 1)
+
+
+class Structural:
+    """A strategy with only the required members, not a subclass of SyncStrategy."""
+
+    group = None
+
+    def arm(self, sync: bool) -> None: ...
+
+    def restore(self) -> None: ...
+
+
+class Subclassed(gradaccum.SyncStrategy):
+    """The same strategy as a subclass: the optional members come with their defaults."""
+
+    group = None
+
+    def arm(self, sync: bool) -> None: ...
+
+    def restore(self) -> None: ...
+
+
+def test_a_strategy_without_the_optional_members_is_refused_up_front() -> None:
+    """A factory whose strategy lacks the optional members is refused when the model is
+    detected, naming the fix; subclassing SyncStrategy inherits their defaults."""
+    model = Wrapped()
+    gradaccum.register_sync_strategy(Wrapped, lambda model, policy: Structural())  # type: ignore[arg-type, return-value]
+    with pytest.raises(gradaccum.ConfigTypeError, match="subclass SyncStrategy"):
+        gradaccum.Accumulator(model, sgd(model), steps=2)
+    gradaccum.register_sync_strategy(Wrapped, lambda model, policy: Subclassed())
+    acc = gradaccum.Accumulator(model, sgd(model), steps=2)
+    strategy = strategy_for(model)
+    assert strategy.grads_in_params is False
+    assert strategy.unsynced_forward() is None
+    acc.close()
