@@ -91,6 +91,23 @@ def save(parts: Parts, include_grads: bool) -> tuple[bytes, dict[str, Any]]:
     return buffer.getvalue(), saved
 
 
+def act(
+    parts: Parts,
+    scenario: dict[str, Any],
+    checkpoint: dict[str, Any] | None,
+    where: tuple[int, int, str],
+) -> tuple[bytes, dict[str, Any]] | None:
+    """Do what happens at ``where`` (epoch, microbatch, "top"/"after"): the steps change,
+    then or before it the checkpoint, whose saved state is returned (the loop stops)."""
+    for what in events(scenario, checkpoint, *where):
+        if what == "change":
+            parts[3].steps = scenario["change"]["steps"]
+        else:
+            assert checkpoint is not None
+            return save(parts, checkpoint["include_grads"])
+    return None
+
+
 def train(
     scenario: dict[str, Any],
     rank: int,
@@ -101,15 +118,11 @@ def train(
     """The scenario's loop from ``first_epoch`` on; stops at ``checkpoint`` (if any) and
     returns what `save` took there (the epoch's generator is closed by the return)."""
     model, _, _, acc = parts
-    change = scenario["change"]
     for epoch in range(first_epoch, len(scenario["sizes"])):
         for index, batch in acc.epoch(epoch_data(scenario, rank, epoch)):
-            for what in events(scenario, checkpoint, epoch, index, "top"):
-                if what == "change":
-                    acc.steps = change["steps"]
-                else:
-                    assert checkpoint is not None
-                    return save(parts, checkpoint["include_grads"])
+            saved = act(parts, scenario, checkpoint, (epoch, index, "top"))
+            if saved is not None:
+                return saved
             rows = len(batch[0])
             if scenario["mode"] == "mean":
                 loss, items = mean_loss(model, batch), None
@@ -118,12 +131,9 @@ def train(
                 items = rows if scenario["mode"] == "int" else torch.tensor(rows)
             with acc.microstep(loss, num_items=items):
                 pass
-            for what in events(scenario, checkpoint, epoch, index, "after"):
-                if what == "change":
-                    acc.steps = change["steps"]
-                else:
-                    assert checkpoint is not None
-                    return save(parts, checkpoint["include_grads"])
+            saved = act(parts, scenario, checkpoint, (epoch, index, "after"))
+            if saved is not None:
+                return saved
         if checkpoint is not None and (checkpoint["when"], checkpoint["epoch"]) == (
             "between",
             epoch,
