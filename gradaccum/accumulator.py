@@ -344,11 +344,12 @@ class Accumulator:
         window.in_block = True
         if self._plan.active:  # (a microstep outside the epoch uses no microbatch of it)
             self._plan.pending = False
+        if window.done == 0:
+            window.open(num_items is not None)
+        elif self._grads.wiped():
+            window.in_block = False
+            self._refuse_wiped()
         try:
-            if window.done == 0:
-                window.open(num_items is not None)
-            elif self._grads.wiped():
-                self._refuse_wiped()
             seen = self._strategy.unsynced_forward()
             if seen is not None:
                 self._warn_forward(seen)
@@ -374,13 +375,17 @@ class Accumulator:
         return self._block.step
 
     def _refuse_wiped(self) -> NoReturn:
+        """The window's gradient was cleared by the user: discard the window and refuse.
+        This rank's own refusal, not a collective's failure, so never `RankFailedError`."""
         msg = (
             f"the gradient of this window's first {self._window.done} microsteps was cleared "
             "since the last one, by optimizer.zero_grad() or model.zero_grad() inside the "
             "window; remove that call: the accumulator clears the gradients after each "
             "window's optimizer step (the window is discarded)"
         )
-        raise UsageError(msg)
+        error = UsageError(msg)
+        self._fail(error)
+        raise error
 
     def _warn_forward(self, seen: bool) -> None:
         """This loss's forward (the oldest not yet back-propagated) saw another sync state

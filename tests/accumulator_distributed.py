@@ -228,3 +228,34 @@ def scheduler_fails_after_the_step(rank: int, world: int) -> dict[str, Any]:
     )
     seen["params"] = full_params(model, "ddp")
     return seen
+
+
+# zero_grad() inside a window under DDP --------------------------------------------
+
+
+def zero_grad_in_a_window(rank: int, world: int) -> dict[str, Any]:
+    """DDP with gradient_as_bucket_view=True (DDP swaps param.grad for bucket views): two
+    epochs of steps=4 train without a false alarm; then every rank zeroes the gradient in
+    place after a window's second microstep, and its third microstep is refused."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(make_model(), gradient_as_bucket_view=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, optimizer, steps=4)
+    batches = rank_batches(rank, [2] * 13)
+    for _ in range(2):
+        for batch in acc.epoch(generator(batches)):
+            with acc.microstep(mean_loss(model, batch)):
+                pass
+    trained = acc.global_step
+    refused = ""
+    for index, batch in enumerate(batches[:3]):
+        if index == 2:
+            optimizer.zero_grad(set_to_none=False)
+        try:
+            with acc.microstep(mean_loss(model, batch)):
+                pass
+        except gradaccum.GradaccumError as error:
+            refused = f"{type(error).__name__}: {error}"
+    acc.close()
+    return {"trained": trained, "refused": refused}

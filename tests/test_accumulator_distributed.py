@@ -104,3 +104,13 @@ def test_ddp_scheduler_failing_after_the_step_counts_the_window_on_every_rank() 
         }, f"rank {rank}"
     for got, want in zip(outcomes[0]["params"], outcomes[1]["params"], strict=True):
         assert torch.equal(got, want)
+
+
+def test_zero_grad_in_a_window_is_each_ranks_own_refusal_under_ddp() -> None:
+    """DDP with bucket views: two epochs raise no false alarm (6 windows); a zero_grad()
+    inside a window is refused on every rank as its own UsageError naming zero_grad, not
+    as a RankFailedError blaming the rank that raised first."""
+    for outcome in run(accumulator_distributed.zero_grad_in_a_window, 2):
+        assert outcome["trained"] == 6
+        assert outcome["refused"].startswith("UsageError: the gradient of this window"), outcome
+        assert "zero_grad" in outcome["refused"]
