@@ -51,7 +51,9 @@ class Step:
             the block exits); on other microsteps, the steps completed so far.
         grad_norm: The total gradient norm before clipping, a 0-dim tensor; ``None``
             without ``max_grad_norm``.
-        lr: The learning rate of the first parameter group for this update.
+        lr: The learning rate of the first parameter group for this update, as it was
+            at the boundary (a copy when it is a tensor); ``None`` when the optimizer's
+            groups have no ``"lr"``.
         skipped: The window was not applied (no optimizer or scheduler step) because
             its gradient held inf/NaN: known in the block under ``on_nonfinite="skip"``,
             and once the block has exited when a GradScaler skipped the step.
@@ -416,7 +418,7 @@ class Accumulator:
             losses=window.losses,
             divisor=divisor,
             grad_norm=norm,
-            lr=self.optimizer.param_groups[0]["lr"],
+            lr=stepping.learning_rate(self.optimizer),
         )
         if options.on_nonfinite is not None and not boundary.all_finite(params, norm, self._ranks):
             if options.on_nonfinite == "raise":

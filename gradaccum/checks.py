@@ -3,6 +3,7 @@ the value and what is accepted (the catalog is docs/bad-input.md)."""
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Literal, TypeVar, get_args
 
@@ -54,6 +55,7 @@ def check_parts(model: object, optimizer: object, scheduler: object) -> list[tor
             "change the model; build it on model.parameters()"
         )
         raise ConfigError(msg)
+    _refuse_closure_optimizer(optimizer)
     if scheduler is None:
         return params
     if isinstance(scheduler, ReduceLROnPlateau):
@@ -73,6 +75,26 @@ def check_parts(model: object, optimizer: object, scheduler: object) -> list[tor
         )
         raise ConfigError(msg)
     return params
+
+
+def _refuse_closure_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer whose ``step()`` needs a closure (LBFGS): it re-evaluates the
+    loss several times per step, which a window of microbatches already back-propagated
+    cannot do."""
+    try:  # the class's method (a scheduler may have wrapped the instance's): after self
+        _, *parameters = inspect.signature(type(optimizer).step).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: assume step() takes no argument
+        return
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    needed = [p.name for p in parameters if p.default is p.empty and p.kind not in variadic]
+    if needed:
+        msg = (
+            f"optimizer {type(optimizer).__name__} needs step({', '.join(needed)}): a "
+            "closure that re-evaluates the loss, which a window of microbatches already "
+            "back-propagated cannot provide; closure optimizers (LBFGS) are not supported, "
+            "use one whose step() takes no argument (SGD, Adam, ...) or step it yourself"
+        )
+        raise ConfigError(msg)
 
 
 def check_choice(value: T, name: str, choices: tuple[object, ...]) -> T:

@@ -11,7 +11,7 @@ import torch
 
 from gradaccum.errors import UsageError, warn
 
-__all__ = ["Stepper", "owner_of"]
+__all__ = ["Stepper", "learning_rate", "owner_of"]
 
 # The open accumulator that steps each optimizer (weakly held on both sides).
 _owners: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[Any]] = (
@@ -99,10 +99,14 @@ class Stepper:
             self._scheduled = self.scheduler.last_epoch
 
     def skip(self) -> None:
-        """A window skipped for inf/NaN: no optimizer or scheduler step; a scaler that
-        found them still backs its scale off."""
+        """A window skipped for inf/NaN: no optimizer or scheduler step; the scale backs off
+        by the scaler's ``backoff_factor``, also when only the norm overflowed (every value
+        finite, so the scaler itself found nothing)."""
         if self.scaler is not None:
+            scale = self.scaler.get_scale()
             self.scaler.update()
+            if self.scaler.get_scale() >= scale:
+                self.scaler.update(scale * self.scaler.get_backoff_factor())
             self._unscaled = False
 
     def clear(self) -> None:
@@ -139,6 +143,13 @@ class Stepper:
             "optimizer; it steps once when each window's last microstep block exits: "
             "remove the call (or close() the accumulator first)"
         )
+
+
+def learning_rate(optimizer: torch.optim.Optimizer) -> float | torch.Tensor | None:
+    """The first parameter group's learning rate as it is now: a copy when it is a tensor
+    (which the scheduler changes in place), None when the group has no ``"lr"``."""
+    lr = optimizer.param_groups[0].get("lr")
+    return lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
 
 
 def _last_epoch(scheduler: Any) -> int | None:

@@ -406,8 +406,13 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 def grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
     """The total norm of the gradients, a 0-dim tensor; gathered over the mesh when they
-    are DTensors (``fully_shard``), so it is the full norm, the same on every rank."""
-    grads = [param.grad for param in params if param.grad is not None]
+    are DTensors (``fully_shard``), so it is the full norm, the same on every rank. A
+    sparse gradient (``nn.Embedding(sparse=True)``) counts by its coalesced values."""
+    grads = [
+        grad.coalesce().values() if grad.is_sparse else grad
+        for grad in (param.grad for param in params)
+        if grad is not None
+    ]
     return full_tensor(nn.utils.get_total_norm(grads))
 
 
