@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from typing_extensions import Self
 
-from gradaccum import boundary, checks, misuse, record, stepping
+from gradaccum import boundary, checks, faults, misuse, record, stepping
 from gradaccum.checks import NonFinitePolicy
 from gradaccum.errors import (
     ConfigError,
@@ -197,7 +197,9 @@ class Accumulator:
         self._armed: bool | None = None  # what the strategy was last told
         optimizer.zero_grad(set_to_none=True)
         self._stepper = stepping.Stepper(self, optimizer, scheduler, scaler, self._open_where)
-        misuse.watch_clipping(self)
+        self._unguard = (
+            faults.guard_forwards(model, self._forward_failed) if self._ranks.count > 1 else None
+        )
         self._arm()
 
     def _strategy_for(self, steps: int) -> SyncStrategy:
@@ -348,9 +350,13 @@ class Accumulator:
             self._plan.pending = False
         if window.done == 0:
             window.open(num_items is not None)
-        elif self._grads.wiped():
-            window.in_block = False
-            self._refuse_wiped()
+        else:
+            change = self._grads.change()
+            if change == "wiped":
+                window.in_block = False
+                self._refuse_wiped()
+            elif change == "changed":
+                self._warn_changed()
         try:
             seen = self._strategy.unsynced_forward()
             if seen is not None:
@@ -388,6 +394,15 @@ class Accumulator:
         error = UsageError(msg)
         self._fail(error)
         raise error
+
+    def _warn_changed(self) -> None:
+        window = self._window
+        warn(
+            f"the gradient of this window was changed in place after microstep {window.done} "
+            f"of {window.size} (by clip_grad_norm_, say), so that change applied to a "
+            "partial sum; pass max_grad_norm= to the Accumulator, or clip inside the "
+            "boundary's block (when step.boundary is True)"
+        )
 
     def _warn_forward(self, seen: bool) -> None:
         """This loss's forward (the oldest not yet back-propagated) saw another sync state
@@ -462,7 +477,6 @@ class Accumulator:
         self._global_step += 1
         self._plan.close_window()
         self._clear_window()
-        self._strategy.forget_forwards()
 
     def _clear_window(self) -> None:
         """Clear the window's gradient and state, so that the next microstep starts clean."""
@@ -480,40 +494,32 @@ class Accumulator:
 
         A rank that raises records the failure in the process group's store and refuses
         further microsteps: its windows no longer line up with the others'. A rank whose
-        backward or boundary (``in_collectives``: where the collectives run) fails after
-        another rank recorded a failure raises `RankFailedError` naming that rank.
+        forward, backward or boundary (``in_collectives``: where the collectives run)
+        fails after another rank recorded a failure raises `RankFailedError` naming that
+        rank and the window each of the two stopped in.
         """
         if not applied:
             self._clear_window()
             self._plan.recut(self._steps)  # the next windows start after the failed microbatch
         if self._ranks.count == 1 or isinstance(error, NonFiniteError):  # every rank raised that
             return
-        number = self._global_step + (not applied)
-        window = f"window {number}"
+        number = self._global_step + (not applied)  # the window this rank stopped in
         peer = self._ranks.first_failure() if in_collectives else None
         if peer is not None:
-            self._life.break_(f"rank {peer[0]} failed ({peer[1]})")
-            me = self._ranks.rank
+            self._life.break_(f"rank {peer.rank} failed ({peer.what})")
             raise RankFailedError(
-                f"rank {me} stopped in {window} because rank {peer[0]} failed there first: "
-                f"{peer[1]}; rank {me} {'applied' if applied else 'did not apply'} {window}. "
-                "Restart every rank from the last checkpoint",
-                peer[0],
-                number,
-                applied,
+                _rank_failed(self._ranks.rank, number, applied, peer), peer.rank, number, applied
             ) from error
-        what = f"{type(error).__name__}: {error} (in {window}{', after applying it' * applied})"
-        self._ranks.record_failure(what)
-        self._life.break_(f"this rank failed in {window} ({type(error).__name__}: {error})")
+        self._ranks.record_failure(number, applied, error)
+        reason = f"{type(error).__name__}: {error}"
+        self._life.break_(f"this rank failed in window {number} ({reason})")
 
-    def _partial_window(self, clipped: set[int]) -> str | None:
-        """Why clipping the parameters whose ids are ``clipped`` now would clip a partial
-        window of this accumulator, or None."""
-        if self._block.step is not None or not self._window.is_open:
-            return None  # between windows, or in the boundary block: the whole window
-        if not any(id(param) in clipped for param in boundary.params_of(self.optimizer)):
-            return None
-        return self._window.where()
+    def _forward_failed(self, error: BaseException) -> None:
+        """A forward of the model raised outside a microstep block (the block's exit sees
+        an error raised in it): this rank failed, or its collective did because another
+        rank had (then `RankFailedError`, raised from ``error``)."""
+        if not self._window.in_block and self._life.state is State.OPEN:
+            self._fail(error, in_collectives=True)
 
     # Epochs -----------------------------------------------------------------------
 
@@ -829,9 +835,10 @@ class Accumulator:
     def _release(self) -> None:
         """Give back the optimizer and the model's sync state (once)."""
         if self._stepper is not None:
-            misuse.forget(self)
             self._stepper.release(self)
             self._strategy.restore()
+            if self._unguard is not None:
+                self._unguard()
             self._stepper = None  # type: ignore[assignment]
 
     def __enter__(self) -> Self:
@@ -903,6 +910,23 @@ def _owner_between_windows(optimizer: torch.optim.Optimizer) -> Accumulator | No
         )
         raise UsageError(msg)
     return previous
+
+
+def _rank_failed(me: int, window: int, applied: bool, peer: faults.Failure) -> str:
+    """What `RankFailedError` says: the window each of the two ranks stopped in, whether
+    it applied it, the windows this rank applied that the failed one did not, the fix."""
+    where = "there first" if peer.window == window else f"first, in window {peer.window}"
+    first, last = peer.window + peer.applied, window - (not applied)
+    ahead = "" if last < first else f", so rank {me} applied window {first}"
+    if last > first:
+        ahead = f", so rank {me} applied windows {first} to {last}"
+    return (
+        f"rank {me} stopped in window {window} because rank {peer.rank} failed {where}: "
+        f"{peer.what}; rank {peer.rank} {'applied' if peer.applied else 'did not apply'} "
+        f"window {peer.window}, rank {me} {'applied' if applied else 'did not apply'} "
+        f"window {window}{ahead}{f' that rank {peer.rank} did not' if ahead else ''}. "
+        "Restart every rank from the last checkpoint"
+    )
 
 
 def _skipped(iterator: Iterator[T], skip: int) -> Iterator[T]:

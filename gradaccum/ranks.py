@@ -65,11 +65,13 @@ class Ranks:
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         return bool(flag.item())
 
-    def record_failure(self, what: str) -> None:
-        """Record that this rank failed with ``what``, unless another rank did first."""
-        faults.record_failure(self.group, what)
+    def record_failure(self, window: int, applied: bool, error: BaseException) -> None:
+        """Record that this rank failed in ``window`` (numbered from 1, applied or not) with
+        ``error``, unless another rank recorded a failure first."""
+        what = f"{type(error).__name__}: {error}"
+        faults.record_failure(self.group, faults.Failure(self.rank, window, applied, what))
 
-    def first_failure(self) -> tuple[int, str] | None:
-        """Another rank that failed first, and what it said; None when it was this one."""
+    def first_failure(self) -> faults.Failure | None:
+        """Another rank's failure, recorded first; None when it was this one's."""
         found = faults.first_failure(self.group)
-        return found if found is not None and found[0] != self.rank else None
+        return found if found is not None and found.rank != self.rank else None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -67,14 +66,10 @@ class SyncStrategy(Protocol):
         return clip_grad_norm(params, max_norm)
 
     def unsynced_forward(self) -> bool | None:
-        """For a wrapper that decides in the forward whether the backward communicates:
-        the state that the oldest forward not yet back-propagated saw, when it differs
-        from the state armed now; else (and by default) None."""
+        """For a wrapper that decides in the forward whether the backward communicates,
+        called before each microstep's backward: whether it will, when that differs from
+        the state armed now; else (and by default) None."""
         return None
-
-    def forget_forwards(self) -> None:
-        """A window closed: forwards that no microstep used are not carried over."""
-        return
 
 
 StrategyFactory = Callable[[nn.Module, SyncPolicy], SyncStrategy]
@@ -100,8 +95,8 @@ class DDPSync(SyncStrategy):
     The flag is set to what each microstep needs rather than toggled by ``no_sync()``,
     so a state left behind by someone else (an open ``no_sync()``, an accumulator that
     was never closed) cannot keep a boundary from all-reducing. A forward pre-hook
-    records the flag each forward saw (``seen``, oldest first), so that a forward run
-    while the flag was set for another microstep can be reported.
+    records the flag each forward saw, so that a forward run while the flag was set for
+    another microstep can be reported.
     """
 
     grads_in_params = True  # a deferred window's gradient is plain `param.grad`
@@ -111,7 +106,8 @@ class DDPSync(SyncStrategy):
         self._defer = defer
         self.group: dist.ProcessGroup | None = ddp.process_group
         self._found: bool = ddp.require_backward_grad_sync
-        self.seen: deque[bool] = deque()  # the flag at each forward under grad mode
+        self.seen: list[bool] = []  # the flag at each forward under grad mode, since a backward
+        self._consumed = False  # a backward consumed what recorded forwards decided
         self._hook = ddp.register_forward_pre_hook(self._record)
 
     def _record(self, ddp: Any, _: object) -> None:
@@ -119,16 +115,20 @@ class DDPSync(SyncStrategy):
             self.seen.append(ddp.require_backward_grad_sync)
 
     def unsynced_forward(self) -> bool | None:
-        """The flag the oldest forward not yet back-propagated saw, if it is not the flag
-        now set: DDP decided in that forward."""
-        if not self.seen:
-            return None
-        seen = self.seen.popleft()
+        """Whether this backward all-reduces, if that is not what the flag now set asks:
+        DDP decided in the forward. It does if any forward since the previous backward ran
+        with the flag set (a loss may take several forwards, e.g. a regularizer's); with
+        none, its forward ran before the previous backward (forwards run ahead), which
+        consumed that decision, so it does not."""
+        if self.seen:
+            seen = any(self.seen)
+            self.seen.clear()
+            self._consumed = True
+        elif self._consumed:
+            seen = False
+        else:
+            return None  # no forward recorded yet: nothing known
         return None if seen is self._ddp.require_backward_grad_sync else seen
-
-    def forget_forwards(self) -> None:
-        """Drop the record of forwards that no microstep used."""
-        self.seen.clear()
 
     def arm(self, sync: bool) -> None:
         """All-reduce in the next backward unless it is deferred."""

@@ -66,7 +66,9 @@ def optimizer_stepped_between_windows() -> None:
 def clipping_a_partial_window() -> None:
     model, _, acc = build()
     microstep(acc, model, 0)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the user's line
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    with acc.microstep(mean_loss(model, BATCHES[1])):  # the user's line: found here
+        pass
 
 
 def a_second_accumulator_takes_over() -> None:
@@ -96,7 +98,7 @@ CASES: list[tuple[Callable[[], None], str]] = [
     (incomplete_window_at_the_end_of_an_epoch, "incomplete window at the end"),
     (scheduler_stepped_by_hand, "the scheduler was stepped outside"),
     (optimizer_stepped_between_windows, "optimizer.step() was called between windows"),
-    (clipping_a_partial_window, "clip_grad_norm_ was called on microstep 2 of 2"),
+    (clipping_a_partial_window, "changed in place after microstep 1 of 2"),
     (a_second_accumulator_takes_over, "closed the previous Accumulator"),
     (an_unknown_wrapper, "which gradaccum does not know"),
 ]

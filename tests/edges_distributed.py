@@ -1,0 +1,69 @@
+"""What the gloo ranks of tests/test_edges_distributed.py run: failing ranks under every
+wrapping, and DDP with two forwards in one microstep."""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from typing import Any
+
+import torch
+
+import gradaccum
+from gradaccum.verify import OpCounter
+from tests.distributed import full_params, rank_batches, wrap
+from tests.helpers import make_model, mean_loss
+
+
+def fail_in_a_block(rank: int, world: int, kind: str, index: int) -> dict[str, Any]:
+    """Rank 1 raises in the block of its microbatch ``index`` (steps=4); rank 0 goes on.
+
+    What rank 0 caught, the type of its model during and after the accumulator, and what
+    the accumulator says on rank 1 afterwards."""
+    model = wrap(kind, make_model())
+    found = type(model)
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=4)
+    batches = rank_batches(rank, [2] * 12)
+    outcome: dict[str, Any] = {"guarded": type(model) is not found}
+    try:
+        for position, batch in enumerate(acc.epoch(batches)):
+            with acc.microstep(mean_loss(model, batch)):
+                if rank == 1 and position == index:
+                    raise KeyError("rank 1 fails on purpose")
+    except gradaccum.RankFailedError as error:
+        outcome.update(
+            message=str(error), rank=error.rank, window=error.window, applied=error.applied
+        )
+    except KeyError:
+        try:  # the failed rank cannot carry on: its windows no longer line up
+            acc.microstep(mean_loss(model, batches[0]))
+        except gradaccum.UsageError as refused:
+            outcome["refused"] = str(refused)
+    outcome["global_step"] = acc.global_step
+    acc.close()
+    outcome["restored"] = type(model) is found
+    return outcome
+
+
+def two_forwards(rank: int, world: int) -> dict[str, Any]:
+    """DDP, steps=2, a loss with a regularizer's second forward: warnings, all-reduces per
+    epoch (besides the length agreement), the parameters."""
+    model = wrap("ddp", make_model())
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=2)
+    counter = OpCounter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", gradaccum.GradaccumWarning)
+        epoch = iter(acc.epoch(rank_batches(rank, [2] * 8)))
+        first = [next(epoch)]  # plans the epoch: the length agreement, not counted
+        with counter:
+            for inputs, targets in itertools.chain(first, epoch):
+                loss = mean_loss(model, (inputs, targets)) + 0.1 * model(inputs).square().mean()
+                with acc.microstep(loss):
+                    pass
+    acc.close()
+    return {
+        "warnings": [str(w.message) for w in caught],
+        "allreduces": counter.collectives.get("c10d::allreduce_", 0),
+        "params": full_params(model, "ddp"),
+        "global_step": acc.global_step,
+    }

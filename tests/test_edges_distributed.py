@@ -1,0 +1,72 @@
+"""Edges on 2 gloo ranks: a failing rank named by the others under every wrapping, also
+when the failure reaches them in a forward's collective or after a boundary block, and
+DDP with two forwards in one microstep."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests import edges_distributed
+from tests.distributed import rank_batches, run
+from tests.helpers import concat, make_model, mean_loss, windows_of
+
+TOL = 1e-12
+
+# (kind, the microbatch whose block raises on rank 1, steps=4): in the second block of
+# window 1 the others next meet in a forward (fully_shard's all-gather) or at the
+# boundary (DDP); in the boundary block's body rank 0 has reduced and applies window 1.
+CASES = [
+    ("ddp", 1, "window 1 because rank 1 failed there first", 1, False),
+    ("ddp", 3, "window 2 because rank 1 failed first, in window 1", 2, False),
+    ("fully_shard", 1, "window 1 because rank 1 failed there first", 1, False),
+    ("fully_shard", 3, "window 2 because rank 1 failed first, in window 1", 2, False),
+    ("fsdp1", 7, "window 3 because rank 1 failed first, in window 2", 3, False),
+]
+
+
+@pytest.mark.parametrize(("kind", "index", "stopped", "window", "applied"), CASES)
+def test_a_failing_rank_is_named_under_every_wrapping(
+    kind: str, index: int, stopped: str, window: int, applied: bool
+) -> None:
+    survivor, failed = run(edges_distributed.fail_in_a_block, 2, kind, index)
+    assert (
+        f"rank 0 stopped in {stopped}: KeyError: 'rank 1 fails on purpose'" in survivor["message"]
+    )
+    assert (survivor["rank"], survivor["window"], survivor["applied"]) == (1, window, applied)
+    peer_window = (index // 4) + 1
+    assert f"rank 1 did not apply window {peer_window}" in survivor["message"]
+    if window > peer_window:  # rank 0 applied the window rank 1 failed in
+        assert f"so rank 0 applied window {peer_window} that rank 1 did not" in survivor["message"]
+        assert survivor["global_step"] == peer_window
+    else:
+        assert "so rank 0 applied" not in survivor["message"]
+        assert survivor["global_step"] == peer_window - 1
+    assert survivor["message"].endswith("Restart every rank from the last checkpoint")
+    assert "after this rank failed in window" in failed["refused"]
+    # The forward guard is the model's own class while the accumulator is open, and only then.
+    assert survivor["guarded"]
+    assert survivor["restored"]
+    assert failed["restored"]
+
+
+def test_two_forwards_in_one_microstep_under_ddp() -> None:
+    """A regularizer's second forward: no warning, one all-reduce per window, and the
+    float64 big-batch reference."""
+    outcomes = run(edges_distributed.two_forwards, 2)
+    twin = make_model()
+    params = list(twin.parameters())
+    per_rank = [windows_of(rank_batches(rank, [2] * 8), 2) for rank in range(2)]
+    for windows in zip(*per_rank, strict=True):
+        inputs, targets = concat([batch for window in windows for batch in window])
+        loss = mean_loss(twin, (inputs, targets)) + 0.1 * twin(inputs).square().mean()
+        grads = torch.autograd.grad(loss, params)
+        with torch.no_grad():
+            for param, grad in zip(params, grads, strict=True):
+                param -= 0.1 * grad
+    for outcome in outcomes:
+        assert outcome["warnings"] == []
+        assert outcome["allreduces"] == 4
+        assert outcome["global_step"] == 4
+        for got, want in zip(outcome["params"], params, strict=True):
+            assert (got - want).abs().max().item() < TOL
