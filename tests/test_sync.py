@@ -5,11 +5,9 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import gradaccum
@@ -43,17 +41,6 @@ def test_no_sync_on_a_plain_module_accumulates_normally() -> None:
         mean_loss(twin, batch).backward()
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)
-
-
-@pytest.fixture
-def process_group(tmp_path: Path) -> Iterator[None]:
-    """A real one-rank gloo group, so real DDP and fully_shard modules can be built."""
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.usefixtures("process_group")
