@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradaccum.accumulator import Accumulator
-from gradaccum.schedule import check_steps, total_steps
+from gradaccum.schedule import total_steps
 from gradaccum.sync import SyncPolicy
 from gradaccum.testing import (
     AccumulationReport,
@@ -471,24 +471,33 @@ def report(rows: list[Row], device: str, *, wide: bool = False) -> str:
     return "\n".join(out)
 
 
+DEVICES = ("cpu", "cuda")
+
+
 def add_options(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add verify's options to ``parser``: its own, or ``python -m gradaccum``'s command."""
     parser.add_argument(
-        "--steps", type=int, default=4, metavar="N", help="accumulation steps (default 4)"
+        "--steps",
+        type=int,
+        default=4,
+        metavar="N",
+        help=f"accumulation steps, 1 to {MICROBATCHES} (default 4)",
     )
     parser.add_argument(
         "--device",
         default="cuda" if torch.cuda.is_available() else "cpu",
+        choices=DEVICES,
         metavar="D",
-        help="device type (default: cuda if available, else cpu); the distributed rows use "
-        "NCCL when it is cuda with at least --nproc GPUs, else gloo on cpu",
+        help="device type, cpu or cuda (default: cuda if available, else cpu); the "
+        "distributed rows use NCCL when it is cuda with at least --nproc GPUs, else gloo "
+        "on cpu",
     )
     parser.add_argument(
         "--nproc",
         type=int,
         default=2,
         metavar="P",
-        help="ranks for DDP and fully_shard (default 2)",
+        help="ranks for DDP and fully_shard, 2 or more (default 2)",
     )
     parser.add_argument("--hsdp", action="store_true", help="add HSDP on a 2 x 2 mesh (4 ranks)")
     output = parser.add_mutually_exclusive_group()
@@ -501,22 +510,47 @@ def add_options(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def _refusal(args: argparse.Namespace) -> str | None:
+    """Why ``args`` cannot run as verify's help promises, naming the option, the value and
+    the fix; None when they can."""
+    if args.steps < 1:
+        return (
+            f"argument --steps: must be a positive int, got {args.steps}; "
+            "pass 1 for no accumulation"
+        )
+    if args.steps > MICROBATCHES:
+        return (
+            f"argument --steps: {args.steps} is more than the {MICROBATCHES} microbatches of "
+            f"verify's epoch, which would give no optimizer step; pass --steps {MICROBATCHES} "
+            "or less"
+        )
+    if args.nproc < 2:
+        return (
+            f"argument --nproc: must be 2 or more, got {args.nproc}: the DDP and fully_shard "
+            "rows need ranks that communicate; pass --nproc 2 (the default)"
+        )
+    if args.device == "cuda" and not torch.cuda.is_available():
+        return (
+            "argument --device: 'cuda' is not available on this machine "
+            "(torch.cuda.is_available() is False); pass --device cpu"
+        )
+    return None
+
+
 def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """Run the table for ``args`` (parsed by ``parser``, which reports usage errors)."""
-    try:
-        steps = check_steps(args.steps, "--steps")
-        nproc = check_steps(args.nproc, "--nproc")
-    except ValueError as error:
-        parser.error(str(error))
-    device = torch.device(args.device)
+    """Run the table for ``args`` (parsed by ``parser``, which reports usage errors,
+    exit status 2, before any row runs)."""
+    refusal = _refusal(args)
+    if refusal is not None:
+        parser.error(refusal)
+    steps, nproc, device = args.steps, args.nproc, torch.device(args.device)
     settings = sorted({1, steps})
     rows = [run_single_process(n, device) for n in settings]
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     launches = [("DDP", nproc), ("fully_shard", nproc)] + ([("HSDP", 4)] if args.hsdp else [])
     for path, ranks in launches:
-        if ranks > 1:
-            backend = "nccl" if gpus >= ranks else "gloo"
-            rows += run_distributed(path, ranks, settings, backend)
+        backend = "nccl" if gpus >= ranks else "gloo"
+        rows += run_distributed(path, ranks, settings, backend)
     if args.json:
         print(
             json.dumps(

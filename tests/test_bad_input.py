@@ -141,10 +141,22 @@ def test_catalog_is_parsed_whole() -> None:
         assert row.fragments, row.source
 
 
+@pytest.fixture
+def static_ddp(process_group: None) -> torch.nn.Module:
+    """A DDP with static_graph=True, on a one-rank gloo group."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(make_model(), static_graph=True)
+
+
 @pytest.mark.parametrize("row", ROWS, ids=[row.source for row in ROWS])
-def test_bad_input_is_refused_as_documented(row: Row, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_input_is_refused_as_documented(
+    row: Row, capsys: pytest.CaptureFixture[str], request: pytest.FixtureRequest
+) -> None:
     """The call raises exactly the documented error, whose message has every fragment."""
     names = namespace()
+    if "static_ddp" in row.source:  # the rows that need a process group get one
+        names["static_ddp"] = request.getfixturevalue("static_ddp")
     eval(row.value, names)  # the bad value itself is valid Python in this namespace
     expected = ERRORS[row.raises]
     with pytest.raises(expected) as caught:

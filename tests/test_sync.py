@@ -91,6 +91,25 @@ def test_ddp_static_graph_is_refused_when_deferring() -> None:
     assert (acc.steps, acc.global_step, ddp.require_backward_grad_sync) == (1, 2, True)
 
 
+@pytest.mark.usefixtures("process_group")
+def test_no_sync_refuses_static_graph_with_a_fix_it_can_take() -> None:
+    """no_sync() has no sync argument, so its refusal of static_graph=True says what to do
+    instead; the DDP flag is left as it was."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(make_model(), static_graph=True)
+    with pytest.raises(gradaccum.ConfigError) as caught, gradaccum.no_sync(ddp):
+        pass
+    message = str(caught.value)
+    assert message.startswith(
+        "no_sync() cannot keep the gradients of a DistributedDataParallel with "
+        "static_graph=True local"
+    )
+    assert "run these microsteps outside no_sync()" in message
+    assert "sync=" not in message
+    assert ddp.require_backward_grad_sync
+
+
 class Wrapper(nn.Module):
     """A wrapper gradaccum does not know, with its own no_sync(); records what forward saw."""
 

@@ -179,18 +179,61 @@ def test_verify_catches_arming_after_the_forward() -> None:
         assert row.max_abs_diff > 1e-3
 
 
-def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
-    """No command, a bad --steps or --nproc, or --wide with --json, is a usage error
-    (exit 2) naming the option."""
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], "the following arguments are required: COMMAND"),
+        (["verify", "--wide", "--json"], "argument --json: not allowed with argument --wide"),
+        (
+            ["verify", "--steps", "0"],
+            "argument --steps: must be a positive int, got 0; pass 1 for no accumulation",
+        ),
+        (
+            ["verify", "--steps", "14"],
+            "argument --steps: 14 is more than the 13 microbatches of verify's epoch, which "
+            "would give no optimizer step; pass --steps 13 or less",
+        ),
+        (
+            ["verify", "--nproc", "0"],
+            "argument --nproc: must be 2 or more, got 0: the DDP and fully_shard rows need "
+            "ranks that communicate; pass --nproc 2 (the default)",
+        ),
+        (["verify", "--nproc", "1"], "argument --nproc: must be 2 or more, got 1"),
+        (["verify", "--device", "tpu"], "argument --device: invalid choice: 'tpu' (choose from"),
+        (["verify", "--device", "cuda:0"], "argument --device: invalid choice: 'cuda:0'"),
+        (
+            ["verify", "--device", "cuda"],
+            "argument --device: 'cuda' is not available on this machine "
+            "(torch.cuda.is_available() is False); pass --device cpu",
+        ),
+    ],
+)
+def test_usage_errors(
+    argv: list[str],
+    message: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What verify cannot run as its help promises is a usage error (exit 2) that names
+    the option, the value and the fix, before any row runs; never a traceback, never a
+    table with rows silently left out (--nproc 1 used to drop every distributed row)."""
     from gradaccum.__main__ import main
 
-    for argv, named in (
-        ([], "COMMAND"),
-        (["verify", "--steps", "0"], "--steps"),
-        (["verify", "--nproc", "0"], "--nproc"),
-        (["verify", "--wide", "--json"], "--json"),
-    ):
-        with pytest.raises(SystemExit) as caught:
-            main(argv)
-        assert caught.value.code == 2
-        assert named in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # --device cuda: none here
+    monkeypatch.setattr(verify, "run_single_process", None)  # a row that runs fails the test
+    with pytest.raises(SystemExit) as caught:
+        main(argv)
+    assert caught.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert f"error: {message}" in " ".join(captured.err.split())
+
+
+def test_a_usage_error_from_the_command_line_has_no_traceback() -> None:
+    """The real entry point: --steps past the epoch exits 2 with the usage and a message."""
+    result = verify_command("--steps", "20")
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.startswith("usage: python -m gradaccum verify")
+    assert "argument --steps: 20 is more than the 13 microbatches" in result.stderr
+    assert "Traceback" not in result.stderr
