@@ -12,6 +12,7 @@ from gradaccum.errors import ConfigError, ConfigTypeError, describe
 __all__ = [
     "check_bool",
     "check_count",
+    "check_positive",
     "check_steps",
     "interval",
     "steps_at_epoch",
@@ -47,6 +48,11 @@ def check_count(value: object, name: str) -> int:
         ConfigError: ``value`` is negative.
     """
     return _check_int(value, name, "a non-negative int", 0, "")
+
+
+def check_positive(value: object, name: str) -> int:
+    """Return ``value`` if it is an int >= 1, else raise naming ``name`` and the value."""
+    return _check_int(value, name, "a positive int", 1, "")
 
 
 def _check_int(value: object, name: str, expected: str, minimum: int, fix: str) -> int:

@@ -248,6 +248,10 @@ def _first(model: nn.Module, cls: type) -> Any:
     return next(module for module in model.modules() if isinstance(module, cls))
 
 
+class _StaticGraphError(ConfigError):
+    """DDP with ``static_graph=True`` cannot defer; `no_sync` words its own fix."""
+
+
 def _ddp(model: nn.Module, policy: SyncPolicy) -> SyncStrategy:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -259,7 +263,7 @@ def _ddp(model: nn.Module, policy: SyncPolicy) -> SyncStrategy:
             "iteration cannot skip the all-reduce (torch's reducer asserts); pass "
             "sync='every', or build DDP without static_graph=True"
         )
-        raise ConfigError(msg)
+        raise _StaticGraphError(msg)
     return DDPSync(ddp, defer=defer)
 
 
@@ -434,6 +438,8 @@ def no_sync(model: nn.Module) -> AbstractContextManager[None]:
 
     Raises:
         ConfigTypeError: ``model`` is not a ``torch.nn.Module``.
+        ConfigError: On entering, ``model`` is a DDP with ``static_graph=True``, which
+            cannot skip its first iteration's all-reduce.
 
     Example:
         >>> model = torch.nn.Linear(2, 1)
@@ -448,7 +454,16 @@ def no_sync(model: nn.Module) -> AbstractContextManager[None]:
 
 @contextmanager
 def _no_sync(model: nn.Module) -> Iterator[None]:
-    strategy = strategy_for(model, "boundary")
+    try:
+        strategy = strategy_for(model, "boundary")
+    except _StaticGraphError:
+        msg = (
+            "no_sync() cannot keep the gradients of a DistributedDataParallel with "
+            "static_graph=True local: its first iteration must all-reduce (torch's "
+            "reducer asserts); run these microsteps outside no_sync(), each then "
+            "all-reduces, or build DDP without static_graph=True"
+        )
+        raise ConfigError(msg) from None
     strategy.arm(False)
     try:
         yield

@@ -1,10 +1,11 @@
 """``python -m gradaccum verify``: the equivalence, cadence and communication table here.
 
 Each row trains a small float64 model over 13 microbatches per rank, with different data
-on every rank, and checks at every boundary the accumulated gradient against an
-independent reference: one big batch of every rank's window through an unwrapped copy
-of the model. It counts optimizer and scheduler steps, collectives (``c10d`` ops seen by
-the dispatcher) per window for each sync policy, reductions that ran on deferred
+on every rank, through `gradaccum.testing.check_accumulation`: the parameters after every
+window against an independent reference (an unwrapped float64 copy of the model trained
+on one big batch of every rank's window), optimizer and scheduler steps against
+`total_steps`, and the collectives (``c10d`` ops seen by the dispatcher) per window for
+each sync policy. Around each microstep it also counts reductions that ran on deferred
 microsteps although the policy defers them, and host synchronizations off the boundary.
 The exit status is 1 if a row fails.
 """
@@ -12,40 +13,35 @@ The exit status is 1 if a row fails.
 from __future__ import annotations
 
 import argparse
-import gc
-import io
+import functools
 import json
-import multiprocessing
-import os
+import math
 import sys
-import tempfile
 import textwrap
-import time
-import traceback
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import timedelta
 from typing import Any, get_args
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradaccum.accumulator import Accumulator
-from gradaccum.schedule import check_steps, total_steps
-from gradaccum.sync import SyncPolicy, full_tensor
+from gradaccum.schedule import total_steps
+from gradaccum.sync import SyncPolicy
+from gradaccum.testing import (
+    AccumulationReport,
+    CollectiveCounter,
+    Counts,
+    check_accumulation,
+    run_ranks,
+)
 
 __all__ = [
-    "OpCounter",
-    "Outcome",
     "Row",
     "add_options",
-    "launch",
     "main",
     "report",
-    "results",
     "run_command",
     "run_distributed",
     "run_single_process",
@@ -55,48 +51,19 @@ __all__ = [
 MICROBATCHES = 13
 TOLERANCE = 1e-10
 WIDTH = 100  # columns the default table fits in; --wide puts each row on one line
-_COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional"})
 # What each policy must not run on a deferred microstep, under every wrapping here: no
 # all-reduce unless "every" (DDP, HSDP's replicas), no reduce-scatter under "boundary".
-_DEFERRED: dict[str, frozenset[str]] = {
-    "auto": frozenset({"allreduce_"}),
-    "boundary": frozenset({"allreduce_", "_reduce_scatter_base_", "reduce_scatter_"}),
-    "every": frozenset(),
+_DEFERRED: dict[str, tuple[str, ...]] = {
+    "auto": ("all_reduce",),
+    "boundary": ("all_reduce", "reduce_scatter"),
+    "every": (),
 }
-_SHORT = {  # the table's abbreviations of the c10d ops
-    "allreduce_": "ar",
-    "_reduce_scatter_base_": "rs",
-    "reduce_scatter_": "rs",
-    "_allgather_base_": "ag",
-    "allgather_": "ag",
-    "broadcast_": "bc",
+_SHORT = {  # the table's abbreviations of the kinds of collectives
+    "all_reduce": "ar",
+    "reduce_scatter": "rs",
+    "all_gather": "ag",
+    "broadcast": "bc",
 }
-
-
-class OpCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves it untyped
-    """Count, at the dispatcher, the collectives and the device-to-host syncs that ran.
-
-    A host sync is ``aten._local_scalar_dense``: what ``.item()``, ``bool(tensor)`` and
-    ``float(tensor)`` dispatch to.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.collectives: Counter[str] = Counter()
-        self.host_syncs = 0
-
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Sequence[type],
-        args: Sequence[Any] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        if func.namespace in _COLLECTIVE_NAMESPACES:
-            self.collectives[func.name()] += 1
-        elif func is torch.ops.aten._local_scalar_dense.default:
-            self.host_syncs += 1
-        return func(*args, **(kwargs or {}))
 
 
 @dataclass
@@ -114,8 +81,8 @@ class Row:
     host_syncs_off_boundary: int
     deferred_reductions: int = 0
     # Per sync policy, per collective kind ("ar", "rs", ...): the count in a window of the
-    # epoch (the one most windows ran), and what ran beyond that once in the run (DDP's
-    # bucket-rebuild broadcasts after the first backward).
+    # epoch (the one most windows ran), and what ran beyond that once in the run (the
+    # ranks' agreement on the epoch's length, DDP's bucket-rebuild broadcasts).
     collectives_per_window: dict[str, dict[str, int]] = field(default_factory=dict)
     collectives_one_time: dict[str, dict[str, int]] = field(default_factory=dict)
     peak_memory_bytes: int | None = None
@@ -131,8 +98,8 @@ class Row:
                 f"expected {self.expected_steps}"
             )
         if not self.max_abs_diff <= TOLERANCE:  # NaN fails too
-            found["gradient"] = (
-                f"gradient off the reference by {self.max_abs_diff:.1e} (> {TOLERANCE:.0e})"
+            found["parameters"] = (
+                f"parameters off the reference by {self.max_abs_diff:.1e} (> {TOLERANCE:.0e})"
             )
         if self.deferred_reductions:
             found["deferred reductions"] = (
@@ -153,111 +120,6 @@ class Row:
         return not self.broken()
 
 
-# Launching ranks ---------------------------------------------------------------------
-
-
-@dataclass
-class Outcome:
-    """What one rank returned, or the traceback it died with."""
-
-    rank: int
-    value: Any = None
-    error: str | None = None
-
-
-def launch(
-    scenario: Callable[..., Any],
-    world: int,
-    args: Sequence[Any] = (),
-    kwargs: dict[str, Any] | None = None,
-    *,
-    backend: str = "gloo",
-    timeout: float = 60.0,
-) -> list[Outcome]:
-    """Run ``scenario(rank, world, *args, **kwargs)`` on ``world`` local ranks.
-
-    Ranks are forked from a server that has imported torch once and joined through a
-    ``FileStore`` in a fresh directory. A rank's collectives time out after ``timeout``
-    seconds; a rank that has not answered by twice that is killed. Every rank's result
-    or traceback comes back, so a failure or a hang is reported, never waited on.
-    """
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", scenario.__module__])
-    answers = context.SimpleQueue()
-    deadline = time.monotonic() + 2 * timeout
-    with tempfile.TemporaryDirectory(prefix="gradaccum-") as directory:
-        processes = [
-            context.Process(
-                target=_rank_main,
-                args=(scenario, rank, world, backend, timeout, directory, args, kwargs, answers),
-            )
-            for rank in range(world)
-        ]
-        for process in processes:
-            process.start()
-        outcomes: dict[int, Outcome] = {}
-        while len(outcomes) < world and time.monotonic() < deadline:
-            if not answers.empty():
-                outcome = answers.get()
-                outcomes[outcome.rank] = outcome
-            elif any(process.is_alive() for process in processes):
-                time.sleep(0.01)
-            elif answers.empty():
-                break
-        for process in processes:
-            process.join(timeout=max(0.0, deadline - time.monotonic()))
-            if process.is_alive():
-                process.kill()
-                process.join()
-    for rank, process in enumerate(processes):
-        if rank not in outcomes:
-            error = f"rank {rank} gave no answer (exit code {process.exitcode})"
-            outcomes[rank] = Outcome(rank, error=error)
-    return [outcomes[rank] for rank in range(world)]
-
-
-def results(outcomes: list[Outcome]) -> list[Any]:
-    """Every rank's return value; raises with every rank's traceback if one failed."""
-    errors = [f"--- rank {o.rank} ---\n{o.error}" for o in outcomes if o.error is not None]
-    if errors:
-        raise RuntimeError("\n".join(errors))
-    # The payloads come from the ranks this process launched.
-    return [torch.load(io.BytesIO(o.value), weights_only=False) for o in outcomes]
-
-
-def _rank_main(
-    scenario: Callable[..., Any],
-    rank: int,
-    world: int,
-    backend: str,
-    timeout: float,
-    directory: str,
-    args: Sequence[Any],
-    kwargs: dict[str, Any] | None,
-    answers: Any,
-) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo")
-    torch.set_num_threads(1)
-    try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        dist.init_process_group(
-            backend,
-            store=dist.FileStore(os.path.join(directory, "store"), world),  # type: ignore[attr-defined]
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=timeout),
-        )
-        buffer = io.BytesIO()
-        torch.save(scenario(rank, world, *args, **(kwargs or {})), buffer)
-        answers.put(Outcome(rank, value=buffer.getvalue()))
-    except BaseException:
-        answers.put(Outcome(rank, error=traceback.format_exc()))
-        os._exit(1)  # leave at once: a broken group may hang in its teardown
-    gc.collect()  # models hold the group in reference cycles; free them before destroying it
-    dist.destroy_process_group()
-
-
 # One epoch, measured ------------------------------------------------------------------
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -266,6 +128,14 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 def _model(device: torch.device) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).to(device, torch.float64)
+
+
+def _optimizer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
 
 
 def _data(device: torch.device, rank: int) -> list[Batch]:
@@ -284,142 +154,111 @@ def _loss(model: nn.Module, batch: Batch) -> torch.Tensor:
     return nn.functional.mse_loss(model(inputs), targets)
 
 
-def _reference_grads(model: nn.Module, window: list[Batch]) -> list[torch.Tensor]:
-    """The gradient of one big batch of the window (every rank's) at ``model``'s weights."""
-    twin = _model(full_tensor(next(model.parameters())).device)
-    with torch.no_grad():
-        for mine, theirs in zip(twin.parameters(), model.parameters(), strict=True):
-            mine.copy_(full_tensor(theirs))
-    big = (torch.cat([x for x, _ in window]), torch.cat([y for _, y in window]))
-    return list(torch.autograd.grad(_loss(twin, big), list(twin.parameters())))
-
-
 @dataclass
 class _Epoch:
-    optimizer_steps: int = 0
-    scheduler_steps: int = 0
-    max_abs_diff: float = 0.0
+    """One sync policy's epoch: `check_accumulation`'s report, and what ran on the
+    microsteps inside a window."""
+
+    report: AccumulationReport | None = None
     host_syncs_off_boundary: int = 0
     deferred_reductions: int = 0
-    collectives: Counter[str] = field(default_factory=Counter)
-    per_window: list[Counter[str]] = field(default_factory=list)  # each window's collectives
 
 
 def _train(
     steps: int,
     sync: SyncPolicy,
     device: torch.device,
-    wrap: Callable[[nn.Module], nn.Module],
+    wrap: Callable[[nn.Module], nn.Module] | None,
     world: int = 1,
-    rank: int = 0,
 ) -> _Epoch:
-    """Train one epoch of the design-card loop on this rank and measure it."""
-    model = wrap(_model(device))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    """One epoch of the design-card loop on this rank, checked and measured."""
     result = _Epoch()
+    counter = CollectiveCounter()  # around each microstep, inside the check's own
 
-    def count_step(*_: object) -> None:
-        result.optimizer_steps += 1
+    def train(model: nn.Module, optimizer: Any, scheduler: Any, batches: Sequence[Batch]) -> None:
+        with Accumulator(model, optimizer, scheduler, steps=steps, sync=sync) as acc:
+            for batch in acc.epoch(batches):
+                before = counter.counts
+                with counter:
+                    loss = _loss(model, batch)
+                    with acc.microstep(loss) as step:
+                        pass
+                if not step.boundary:
+                    ran = counter.counts - before
+                    result.host_syncs_off_boundary += ran.host_syncs
+                    result.deferred_reductions += sum(
+                        ran.collectives.get(kind, 0) for kind in _DEFERRED[sync]
+                    )
 
-    optimizer.register_step_post_hook(count_step)
-    counter = OpCounter()
-    everyone = [_data(device, r) for r in range(world)]
-    window: list[Batch] = []
-    before: Counter[str] = Counter()  # the collectives before this window
-    with Accumulator(model, optimizer, scheduler, steps=steps, sync=sync) as acc:
-        for index, batch in enumerate(acc.epoch(everyone[rank])):
-            window.extend(data[index] for data in everyone)
-            reference = _reference_grads(model, window) if acc.sync_gradients else []
-            syncs, reductions = counter.host_syncs, _reductions(counter, sync)
-            with counter:
-                loss = _loss(model, batch)
-                with acc.microstep(loss) as step:
-                    seen = counter.collectives.copy()
-                    grads = [full_tensor(p.grad) for p in model.parameters() if p.grad is not None]
-                    counter.collectives = seen  # gathering them for the check is not training
-            if not step.boundary:
-                result.host_syncs_off_boundary += counter.host_syncs - syncs
-                result.deferred_reductions += _reductions(counter, sync) - reductions
-                continue
-            for grad, ref in zip(grads, reference, strict=True):
-                result.max_abs_diff = max(result.max_abs_diff, (grad - ref).abs().max().item())
-            window = []
-            result.per_window.append(counter.collectives - before)
-            before = counter.collectives.copy()
-    result.scheduler_steps = scheduler.last_epoch
-    result.collectives = counter.collectives
+    result.report = check_accumulation(
+        functools.partial(_model, device),
+        _optimizer,
+        train,
+        [_data(device, rank) for rank in range(world)],
+        _loss,
+        steps=steps,
+        make_scheduler=_scheduler,
+        wrap=wrap,
+        tolerance=TOLERANCE,
+    )
     return result
 
 
-def _kinds(collectives: Counter[str]) -> Counter[str]:
+def _short(counts: Counts) -> dict[str, int]:
     """Collectives by kind, abbreviated as in the table."""
-    counts: Counter[str] = Counter()
-    for name, n in collectives.items():
-        op = name.split("::")[-1]
-        counts[_SHORT.get(op, op)] += n
-    return counts
+    return {_SHORT.get(kind, kind): n for kind, n in counts.collectives.items()}
 
 
-def _per_window(run: _Epoch) -> tuple[dict[str, int], dict[str, int]]:
+def _per_window(report: AccumulationReport) -> tuple[dict[str, int], dict[str, int]]:
     """A run's collectives by kind: the count in a window, and the one-time rest.
 
     A kind's count per window is the one most windows ran (the later ones on a tie);
-    what the run ran beyond that many per window is one-time, e.g. DDP's bucket-rebuild
-    broadcasts after the first backward (negative if some window ran fewer).
+    what the run ran beyond that many per window is one-time, e.g. the ranks'
+    agreement on the epoch's length and DDP's bucket-rebuild broadcasts (negative if
+    some window ran fewer).
     """
-    windows = [_kinds(counts) for counts in run.per_window]
-    total = _kinds(run.collectives)
-    steady: dict[str, int] = {}
-    once: dict[str, int] = {}
-    for kind in sorted(total):
-        tally = Counter(counts[kind] for counts in reversed(windows))
-        usual = tally.most_common(1)[0][0] if tally else 0
-        if usual:
-            steady[kind] = usual
-        if total[kind] != usual * len(windows):
-            once[kind] = total[kind] - usual * len(windows)
-    return steady, once
-
-
-def _reductions(counter: OpCounter, sync: SyncPolicy) -> int:
-    """The reductions so far that ``sync`` must defer."""
-    ops = _DEFERRED[sync]
-    return sum(n for name, n in counter.collectives.items() if name.split("::")[-1] in ops)
+    total = sum(report.windows, Counts())
+    steady = report.per_window
+    windows = len(report.windows)
+    once = total - Counts({k: n * windows for k, n in steady.collectives.items()})
+    return _short(steady), _short(once)
 
 
 def _row(
     path: str,
     launch: str,
     steps: int,
-    wrap: Callable[[nn.Module], nn.Module],
+    wrap: Callable[[nn.Module], nn.Module] | None,
     device: torch.device,
     world: int = 1,
-    rank: int = 0,
 ) -> Row:
     """Every sync policy trains the same epoch; the row reports the worst of them."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    epochs = {
-        policy: _train(steps, policy, device, wrap, world, rank) for policy in get_args(SyncPolicy)
-    }
+    epochs = {policy: _train(steps, policy, device, wrap, world) for policy in get_args(SyncPolicy)}
+    reports = {policy: run.report for policy, run in epochs.items() if run.report is not None}
     runs = list(epochs.values())
     expected = total_steps(MICROBATCHES, steps)
-    collectives = {policy: _per_window(run) for policy, run in epochs.items()}
+    collectives = {policy: _per_window(report) for policy, report in reports.items()}
 
     def worst(counts: list[int]) -> int:
         # Report the policy farthest from the expected cadence, so no run hides another.
         return max(counts, key=lambda count: abs(count - expected))
 
+    diffs = [report.max_abs_diff for report in reports.values()]
     return Row(
         path=path,
         launch=launch,
         steps=steps,
         microbatches=MICROBATCHES,
-        optimizer_steps=worst([run.optimizer_steps for run in runs]),
-        scheduler_steps=worst([run.scheduler_steps for run in runs]),
+        optimizer_steps=(
+            worst([report.optimizer_steps for report in reports.values()])
+            if all(report.ranks_agree for report in reports.values())
+            else -1
+        ),
+        scheduler_steps=worst([report.scheduler_steps or 0 for report in reports.values()]),
         expected_steps=expected,
-        max_abs_diff=max(run.max_abs_diff for run in runs),
+        max_abs_diff=math.nan if any(map(math.isnan, diffs)) else max(diffs),
         host_syncs_off_boundary=max(run.host_syncs_off_boundary for run in runs),
         deferred_reductions=max(run.deferred_reductions for run in runs),
         collectives_per_window={policy: steady for policy, (steady, _) in collectives.items()},
@@ -432,7 +271,7 @@ def _row(
 
 def run_single_process(steps: int, device: torch.device) -> Row:
     """The single-process row: a plain module, nothing to communicate."""
-    return _row("single-process", "python", steps, lambda model: model, device)
+    return _row("single-process", "python", steps, None, device)
 
 
 # Distributed rows ---------------------------------------------------------------------
@@ -467,16 +306,16 @@ def wrapper(path: str, device: torch.device) -> Callable[[nn.Module], nn.Module]
 def _rank_rows(rank: int, world: int, path: str, steps: list[int], launch: str) -> list[Row]:
     device = torch.device(f"cuda:{rank}") if dist.get_backend() == "nccl" else torch.device("cpu")
     wrap = wrapper(path, device)
-    return [_row(path, launch, n, wrap, device, world, rank) for n in steps]
+    return [_row(path, launch, n, wrap, device, world) for n in steps]
 
 
 def run_distributed(path: str, nproc: int, steps: list[int], backend: str = "gloo") -> list[Row]:
     """``path`` (DDP, fully_shard or HSDP) on ``nproc`` local ranks: one row per ``steps``.
 
-    Each rank checks its own gradients; a row takes the worst rank.
+    Each rank checks its own parameters; a row takes the worst rank.
     """
     launch_name = f"{nproc} ranks, {backend}"
-    per_rank = results(launch(_rank_rows, nproc, (path, steps, launch_name), backend=backend))
+    per_rank = run_ranks(_rank_rows, nproc, (path, steps, launch_name), backend=backend)
     rows = []
     for ranks in zip(*per_rank, strict=True):
         row = ranks[0]
@@ -501,21 +340,22 @@ SUMMARY = "check exact accumulation, step cadence and communication on this mach
 DESCRIPTION = (
     f"Train a small float64 model for one epoch of {MICROBATCHES} microbatches per rank, "
     "with steps=1 and steps=N under every sync policy: on one process, and under DDP and "
-    "fully_shard on --nproc local ranks (HSDP with --hsdp). Check every window's gradient "
-    "against a float64 reference; count optimizer steps, collectives, deferred reductions "
-    "and host syncs; print what held. Exit status 1 if a row fails."
+    "fully_shard on --nproc local ranks (HSDP with --hsdp). Check the parameters after "
+    "every window against a float64 reference; count optimizer steps, collectives, "
+    "deferred reductions and host syncs; print what held. Exit status 1 if a row fails."
 )
 _CHECKS = (
-    "max |grad-ref|: the worst gap, at any boundary, between the accumulated gradient and "
-    "one big float64 batch of the window through an unwrapped copy of the model (must be "
-    f"<= {TOLERANCE:.0e}). host syncs: on microsteps inside a window (must be 0). "
+    "max |param-ref|: the worst gap, after any window, between the parameters and an "
+    "unwrapped float64 copy of the model trained on one big batch of every rank's window "
+    f"(must be <= {TOLERANCE:.0e}). host syncs: on microsteps inside a window (must be 0). "
     "deferred: reductions run inside a window although the policy defers them: ar under "
     '"auto" and "boundary", rs under "boundary" (must be 0).'
 )
 _COSTS = (
     "ar all-reduce, rs reduce-scatter, ag all-gather, bc broadcast: counted at the "
     "dispatcher in each window of the epoch; one-time: what a run adds once, not per "
-    "window (DDP rebuilds its buckets after the first backward)."
+    "window (the ranks agree on the epoch's length; DDP rebuilds its buckets after the "
+    "first backward)."
 )
 
 
@@ -549,7 +389,7 @@ def _verdict(rows: list[Row]) -> list[str]:
     failed = [row for row in rows if not row.ok]
     if not failed:
         return [
-            f"All {len(rows)} rows held: exact gradients, 1 step per window, "
+            f"All {len(rows)} rows held: exact parameters, 1 step per window, "
             "no deferred reduction or host sync mid-window."
         ]
     lines = []
@@ -583,7 +423,7 @@ def report(rows: list[Row], device: str, *, wide: bool = False) -> str:
             "launch",
             "steps",
             "opt/sched steps",
-            "max |grad-ref|",
+            "max |param-ref|",
             "host syncs",
             "deferred reductions",
             "collectives/window " + " | ".join(policies),
@@ -597,7 +437,7 @@ def report(rows: list[Row], device: str, *, wide: bool = False) -> str:
             "launch",
             "steps",
             "opt/sched steps",
-            "max |grad-ref|",
+            "max |param-ref|",
             "host syncs",
             "deferred",
             "result",
@@ -631,24 +471,33 @@ def report(rows: list[Row], device: str, *, wide: bool = False) -> str:
     return "\n".join(out)
 
 
+DEVICES = ("cpu", "cuda")
+
+
 def add_options(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add verify's options to ``parser``: its own, or ``python -m gradaccum``'s command."""
     parser.add_argument(
-        "--steps", type=int, default=4, metavar="N", help="accumulation steps (default 4)"
+        "--steps",
+        type=int,
+        default=4,
+        metavar="N",
+        help=f"accumulation steps, 1 to {MICROBATCHES} (default 4)",
     )
     parser.add_argument(
         "--device",
         default="cuda" if torch.cuda.is_available() else "cpu",
+        choices=DEVICES,
         metavar="D",
-        help="device type (default: cuda if available, else cpu); the distributed rows use "
-        "NCCL when it is cuda with at least --nproc GPUs, else gloo on cpu",
+        help="device type, cpu or cuda (default: cuda if available, else cpu); the "
+        "distributed rows use NCCL when it is cuda with at least --nproc GPUs, else gloo "
+        "on cpu",
     )
     parser.add_argument(
         "--nproc",
         type=int,
         default=2,
         metavar="P",
-        help="ranks for DDP and fully_shard (default 2)",
+        help="ranks for DDP and fully_shard, 2 or more (default 2)",
     )
     parser.add_argument("--hsdp", action="store_true", help="add HSDP on a 2 x 2 mesh (4 ranks)")
     output = parser.add_mutually_exclusive_group()
@@ -661,22 +510,47 @@ def add_options(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def _refusal(args: argparse.Namespace) -> str | None:
+    """Why ``args`` cannot run as verify's help promises, naming the option, the value and
+    the fix; None when they can."""
+    if args.steps < 1:
+        return (
+            f"argument --steps: must be a positive int, got {args.steps}; "
+            "pass 1 for no accumulation"
+        )
+    if args.steps > MICROBATCHES:
+        return (
+            f"argument --steps: {args.steps} is more than the {MICROBATCHES} microbatches of "
+            f"verify's epoch, which would give no optimizer step; pass --steps {MICROBATCHES} "
+            "or less"
+        )
+    if args.nproc < 2:
+        return (
+            f"argument --nproc: must be 2 or more, got {args.nproc}: the DDP and fully_shard "
+            "rows need ranks that communicate; pass --nproc 2 (the default)"
+        )
+    if args.device == "cuda" and not torch.cuda.is_available():
+        return (
+            "argument --device: 'cuda' is not available on this machine "
+            "(torch.cuda.is_available() is False); pass --device cpu"
+        )
+    return None
+
+
 def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """Run the table for ``args`` (parsed by ``parser``, which reports usage errors)."""
-    try:
-        steps = check_steps(args.steps, "--steps")
-        nproc = check_steps(args.nproc, "--nproc")
-    except ValueError as error:
-        parser.error(str(error))
-    device = torch.device(args.device)
+    """Run the table for ``args`` (parsed by ``parser``, which reports usage errors,
+    exit status 2, before any row runs)."""
+    refusal = _refusal(args)
+    if refusal is not None:
+        parser.error(refusal)
+    steps, nproc, device = args.steps, args.nproc, torch.device(args.device)
     settings = sorted({1, steps})
     rows = [run_single_process(n, device) for n in settings]
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     launches = [("DDP", nproc), ("fully_shard", nproc)] + ([("HSDP", 4)] if args.hsdp else [])
     for path, ranks in launches:
-        if ranks > 1:
-            backend = "nccl" if gpus >= ranks else "gloo"
-            rows += run_distributed(path, ranks, settings, backend)
+        backend = "nccl" if gpus >= ranks else "gloo"
+        rows += run_distributed(path, ranks, settings, backend)
     if args.json:
         print(
             json.dumps(

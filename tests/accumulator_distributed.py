@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 import gradaccum
-from gradaccum.verify import OpCounter
+from gradaccum.testing import CollectiveCounter
 from tests.distributed import full_params, rank_batches, wrap
 from tests.helpers import (
     Batch,
@@ -55,7 +55,7 @@ def same_steps_at_window_starts(rank: int, world: int) -> dict[str, Any]:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         stepped = count_steps(optimizer)
         acc = gradaccum.Accumulator(model, optimizer, steps=2, drop_last=False)
-        counter = OpCounter()
+        counter = CollectiveCounter()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", gradaccum.GradaccumWarning)
             with counter:
@@ -69,7 +69,7 @@ def same_steps_at_window_starts(rank: int, world: int) -> dict[str, Any]:
             "params": full_params(model, "ddp"),
             "optimizer_steps": stepped[0],
             "global_step": acc.global_step,
-            "collectives": dict(counter.collectives),
+            "collectives": dict(counter.ops),
             "warnings": [str(w.message) for w in caught],
         }
     return runs
@@ -93,7 +93,7 @@ def items_over_ranks(rank: int, world: int, sizes: list[list[int]]) -> dict[str,
     for kind, count in counts.items():
         model = wrap("ddp", make_model())
         acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=4)
-        counter = OpCounter()
+        counter = CollectiveCounter()
         window: list[tuple[torch.Tensor, int]] = []
         loss_error = 0.0
         with counter:
@@ -109,7 +109,7 @@ def items_over_ranks(rank: int, world: int, sizes: list[list[int]]) -> dict[str,
         runs[kind] = {
             "params": full_params(model, "ddp"),
             "global_step": acc.global_step,
-            "collectives": dict(counter.collectives),
+            "collectives": dict(counter.ops),
             "loss_error": loss_error,
         }
     return runs

@@ -1,8 +1,25 @@
 """Hypothesis profiles: the default one runs in CI; ``--hypothesis-profile=long`` runs
-many more examples (hours, for a soak before a release)."""
+many more examples (hours, for a soak before a release). A one-rank process group for the
+tests that build real DDP and fully_shard modules in this process."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
 from hypothesis import settings
 
 settings.register_profile("long", max_examples=50_000, deadline=None)
+
+
+@pytest.fixture
+def process_group(tmp_path: Path) -> Iterator[None]:
+    """A real one-rank gloo group, so real DDP and fully_shard modules can be built."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -13,7 +13,8 @@ from torch import nn
 
 import gradaccum
 from gradaccum.sync import full_tensor
-from gradaccum.verify import OpCounter, launch, results, wrapper
+from gradaccum.testing import CollectiveCounter, run_ranks
+from gradaccum.verify import wrapper
 from tests.helpers import (
     Batch,
     load_checkpoint,
@@ -30,7 +31,7 @@ PROCESS_GROUP_TIMEOUT = 30.0  # seconds: a rank stuck in a collective fails, not
 def run(scenario: Callable[..., Any], world: int, *args: Any, **kwargs: Any) -> list[Any]:
     """``scenario(rank, world, *args, **kwargs)`` on real gloo ranks; every rank's result,
     or an error carrying every rank's traceback."""
-    return results(launch(scenario, world, args, kwargs, timeout=PROCESS_GROUP_TIMEOUT))
+    return run_ranks(scenario, world, args, kwargs, timeout=PROCESS_GROUP_TIMEOUT)
 
 
 UNITS = 2  # fully_shard units of make_model(): its two Linear layers
@@ -118,7 +119,7 @@ def train(
     acc = gradaccum.Accumulator(
         model, optimizer, steps=steps, sync=sync, drop_last=drop_last, max_grad_norm=max_grad_norm
     )
-    counter = OpCounter()
+    counter = CollectiveCounter()
     norms = []
     window: list[tuple[torch.Tensor, int]] = []  # this rank's losses and item counts
     losses = []  # (step.loss, this rank's own window loss), compared after counting
@@ -161,14 +162,14 @@ def train_each_policy(
 
 
 def finish(
-    model: nn.Module, kind: str, acc: gradaccum.Accumulator, counter: OpCounter, **rest: Any
+    model: nn.Module, kind: str, acc: gradaccum.Accumulator, counter: CollectiveCounter, **rest: Any
 ) -> Training:
     """Close ``acc`` and report the rank's `Training`; ``rest`` fills its other fields."""
     acc.close()
     return Training(
         params=full_params(model, kind),
         global_step=acc.global_step,
-        collectives=dict(counter.collectives),
+        collectives=dict(counter.ops),
         host_syncs=counter.host_syncs,
         **rest,
     )
@@ -188,12 +189,12 @@ def after_an_unclosed_accumulator(
         acc = gradaccum.Accumulator(model, optimizer, steps=4, sync=sync)
         epoch = iter(acc.epoch(batches))
         first = next(epoch)  # the length agreement, once per epoch: not counted
-        counter = OpCounter()
+        counter = CollectiveCounter()
         with counter:
             for batch in itertools.chain([first], epoch):
                 with acc.microstep(mean_loss(model, batch)):
                     pass
-    return dict(counter.collectives), full_params(model, kind)
+    return dict(counter.ops), full_params(model, kind)
 
 
 def fail_mid_window(rank: int, world: int) -> None:
@@ -350,7 +351,7 @@ def nonfinite(rank: int, world: int, kind: str, on_nonfinite: str) -> Training:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     acc = gradaccum.Accumulator(model, optimizer, steps=4, on_nonfinite=on_nonfinite)
     skipped = []
-    counter = OpCounter()
+    counter = CollectiveCounter()
     with counter:
         for index, batch in enumerate(acc.epoch(rank_batches(rank, [2] * 12))):
             loss = mean_loss(model, batch)
@@ -418,11 +419,11 @@ def warm_up(rank: int, world: int) -> tuple[list[dict[str, int]], list[torch.Ten
     counts = []
     for epoch in range(2):
         acc.steps = gradaccum.steps_at_epoch(schedule, epoch)
-        counter = OpCounter()
+        counter = CollectiveCounter()
         with counter:
             for batch in acc.epoch(rank_batches(rank, [2] * 9)):
                 with acc.microstep(mean_loss(model, batch)):
                     pass
-        counts.append(dict(counter.collectives))
+        counts.append(dict(counter.ops))
     acc.close()
     return counts, full_params(model, "ddp"), acc.global_step

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradaccum.testing import expected_windows
+
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -45,9 +47,8 @@ def concat(window: list[Batch]) -> Batch:
 
 
 def windows_of(batches: list[Batch], steps: int, drop_last: bool = True) -> list[list[Batch]]:
-    """Consecutive windows of ``steps`` microbatches; the short last one unless drop_last."""
-    windows = [batches[i : i + steps] for i in range(0, len(batches), steps)]
-    return [w for w in windows if len(w) == steps or not drop_last]
+    """The microbatches of each window, as `expected_windows` cuts the epoch."""
+    return [[batches[i] for i in w] for w in expected_windows(len(batches), steps, drop_last)]
 
 
 def reference_sgd(model: nn.Module, windows: list[list[Batch]], lr: float) -> nn.Module:

@@ -19,6 +19,9 @@ import pytest
 import torch
 
 import gradaccum
+import gradaccum.testing
+from gradaccum.testing import strategies
+from tests import loops
 from tests.helpers import make_batches, make_model, mean_loss
 
 CATALOG = Path(__file__).resolve().parent.parent / "docs" / "bad-input.md"
@@ -101,6 +104,13 @@ def namespace() -> dict[str, Any]:
         pass
     return {
         **{name: getattr(gradaccum, name) for name in gradaccum.__all__},
+        **{name: getattr(gradaccum.testing, name) for name in gradaccum.testing.__all__},
+        "strategies": strategies,
+        "make_model": make_model,
+        "make_sgd": loops.sgd,
+        "hand_loop": loops.hand_loop,
+        "batches": make_batches([2] * 8),
+        "loss_fn": mean_loss,
         "argparse": argparse,
         "math": math,
         "torch": torch,
@@ -131,10 +141,22 @@ def test_catalog_is_parsed_whole() -> None:
         assert row.fragments, row.source
 
 
+@pytest.fixture
+def static_ddp(process_group: None) -> torch.nn.Module:
+    """A DDP with static_graph=True, on a one-rank gloo group."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(make_model(), static_graph=True)
+
+
 @pytest.mark.parametrize("row", ROWS, ids=[row.source for row in ROWS])
-def test_bad_input_is_refused_as_documented(row: Row, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_input_is_refused_as_documented(
+    row: Row, capsys: pytest.CaptureFixture[str], request: pytest.FixtureRequest
+) -> None:
     """The call raises exactly the documented error, whose message has every fragment."""
     names = namespace()
+    if "static_ddp" in row.source:  # the rows that need a process group get one
+        names["static_ddp"] = request.getfixturevalue("static_ddp")
     eval(row.value, names)  # the bad value itself is valid Python in this namespace
     expected = ERRORS[row.raises]
     with pytest.raises(expected) as caught:
@@ -173,6 +195,15 @@ CALLS: dict[str, tuple[Callable[..., Any], str]] = {
     "steps_at_epoch": (gradaccum.steps_at_epoch, "steps_at_epoch("),
     "steps_per_epoch": (gradaccum.steps_per_epoch, "steps_per_epoch("),
     "total_steps": (gradaccum.total_steps, "total_steps("),
+    "testing.check_accumulation": (gradaccum.testing.check_accumulation, "check_accumulation("),
+    "testing.run_ranks": (gradaccum.testing.run_ranks, "run_ranks("),
+    "testing.CollectiveCounter": (gradaccum.testing.CollectiveCounter, "CollectiveCounter("),
+    "testing.DDPBucketCounter": (gradaccum.testing.DDPBucketCounter, "DDPBucketCounter("),
+    "testing.expected_windows": (gradaccum.testing.expected_windows, "expected_windows("),
+    **{
+        f"testing.strategies.{name}": (getattr(strategies, name), f"strategies.{name}(")
+        for name in ("steps", "epoch_lengths", "item_counts", "epochs")
+    },
 }
 # Settable properties: the value assigned is documented under the property's name.
 SETTERS = {"Accumulator.steps": 'setattr(acc, "steps", '}
@@ -182,15 +213,22 @@ NOT_CALLED = {
     "SyncPolicy": "a Literal type alias, checked as Accumulator's sync",
     "SyncStrategy": "a Protocol that register_sync_strategy's factories return",
     "__version__": "a string",
+    "testing.AccumulationReport": "returned by check_accumulation()",
+    "testing.Counts": "what the counters report; built by hand only to compare with",
+    "testing.strategies.Epoch": "drawn by strategies.epochs()",
 }
+# The modules whose public names the catalog covers, as the keys above prefix them.
+PUBLIC = [(gradaccum, ""), (gradaccum.testing, "testing."), (strategies, "testing.strategies.")]
 
 
 def test_catalog_covers_the_whole_public_api() -> None:
     """Every public name is mapped to its rows above, or is an error or not called."""
-    for name in gradaccum.__all__:
-        public = getattr(gradaccum, name)
-        is_error = isinstance(public, type) and issubclass(public, (Exception, Warning))
-        assert name in CALLS or name in NOT_CALLED or is_error, f"{name} is not mapped"
+    for module, prefix in PUBLIC:
+        for name in module.__all__:
+            public = getattr(module, name)
+            is_error = isinstance(public, type) and issubclass(public, (Exception, Warning))
+            key = prefix + name
+            assert key in CALLS or key in NOT_CALLED or is_error, f"{key} is not mapped"
     for name, member in vars(gradaccum.Accumulator).items():
         qualified = f"Accumulator.{name}"
         if name.startswith("_"):

@@ -55,6 +55,22 @@ def verify_options() -> list[argparse.Action]:
     return [action for action in own._actions if action.option_strings]
 
 
+def every_option() -> set[str]:
+    """Every option string of the top-level parser and of each command's."""
+    from gradaccum.__main__ import parser
+
+    top, commands = parser()
+    return {
+        name
+        for command in (top, *commands.values())
+        for action in command._actions
+        for name in action.option_strings
+    }
+
+
+EVERY_OPTION = {"-h", "--help", "--steps", "--device", "--nproc", "--hsdp", "--wide", "--json"}
+
+
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_help_lists_verify_and_all_its_options(
     flag: str, capsys: pytest.CaptureFixture[str]
@@ -79,7 +95,8 @@ def test_help_lists_verify_and_all_its_options(
 
 
 def test_help_from_the_command_line() -> None:
-    """The real entry point: --help exits 0 on stdout, -h prints the same."""
+    """The real entry point: --help exits 0 on stdout, -h prints the same, and it lists
+    every option of the top level and of verify, pinned here."""
     runs = [
         subprocess.run(
             [sys.executable, "-m", "gradaccum", flag],
@@ -90,10 +107,13 @@ def test_help_from_the_command_line() -> None:
         )
         for flag in ("--help", "-h")
     ]
+    assert every_option() == EVERY_OPTION  # a new option is added here, deliberately
     for result in runs:
         assert result.returncode == 0, result.stderr
-        assert "--nproc" in result.stdout
-        assert "--hsdp" in result.stdout
+        for name in EVERY_OPTION:
+            assert name in result.stdout, name
+        assert "{cpu,cuda}" not in result.stdout  # --device's choices are said in words
+        assert "device type, cpu or cuda" in " ".join(result.stdout.split())
     assert runs[0].stdout == runs[1].stdout
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradaccum.verify import launch
+from gradaccum.testing import LaunchError, run_ranks
 from tests import distributed
 from tests.distributed import UNITS, Training, rank_batches, run, train
 from tests.helpers import Batch, concat, make_model, mean_loss, reference_sgd, windows_of
@@ -213,12 +213,12 @@ def test_unsized_iterables_agree_window_by_window(drop_last: bool) -> None:
 def test_a_failing_rank_makes_the_others_fail_not_hang() -> None:
     """Rank 1 raises mid-window; rank 0 errors at its boundary all-reduce well within time."""
     started = time.monotonic()
-    outcomes = launch(distributed.fail_mid_window, 2, timeout=distributed.PROCESS_GROUP_TIMEOUT)
-    assert outcomes[1].error is not None
-    assert "fails on purpose" in outcomes[1].error
-    assert outcomes[0].error is not None
-    assert "gave no answer" not in outcomes[0].error  # it raised; nobody had to kill it
-    assert "backward" in outcomes[0].error  # in the boundary's all-reduce
+    with pytest.raises(LaunchError) as caught:
+        run_ranks(distributed.fail_mid_window, 2, timeout=distributed.PROCESS_GROUP_TIMEOUT)
+    failures = caught.value.failures
+    assert "fails on purpose" in failures[1]
+    assert "gave no answer" not in failures[0]  # it raised; nobody had to kill it
+    assert "backward" in failures[0]  # in the boundary's all-reduce
     assert time.monotonic() - started < distributed.PROCESS_GROUP_TIMEOUT
 
 

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 import gradaccum
-from gradaccum.verify import OpCounter
+from gradaccum.testing import CollectiveCounter
 from tests.helpers import make_batches, make_model, mean_loss, sum_loss
 
 
 def test_counter_sees_host_syncs() -> None:
     """The counter is live: .item(), bool() and float() on a tensor each count once."""
-    counter = OpCounter()
+    counter = CollectiveCounter()
     value = torch.tensor(2.0)
     with counter:
         value.item()
@@ -31,7 +31,7 @@ def test_microsteps_never_sync_the_host() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=4)
     acc = gradaccum.Accumulator(model, optimizer, scheduler, steps=3, max_grad_norm=0.1)
-    counter = OpCounter()
+    counter = CollectiveCounter()
     boundaries = 0
     for batch in acc.epoch(make_batches([1, 2, 3, 4, 5, 6])):
         loss = sum_loss(model, batch)
@@ -51,7 +51,7 @@ def test_scaler_is_the_documented_exception() -> None:
         model, torch.optim.SGD(model.parameters(), lr=0.1), steps=2, scaler=scaler
     )
     batches = make_batches([2, 2], dtype=torch.float32)
-    counter = OpCounter()
+    counter = CollectiveCounter()
     with counter, acc.microstep(mean_loss(model, batches[0])):
         pass
     assert counter.host_syncs == 0

@@ -6,6 +6,8 @@ import doctest
 import importlib
 import importlib.util
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -44,6 +46,49 @@ def test_exports_are_pinned() -> None:
         assert hasattr(gradaccum, name)
 
 
+def test_testing_exports_are_pinned() -> None:
+    """gradaccum.testing and its strategies have their own pinned, sorted lists."""
+    import gradaccum.testing
+    import gradaccum.testing.strategies
+
+    assert gradaccum.testing.__all__ == [
+        "AccumulationReport",
+        "CollectiveCounter",
+        "Counts",
+        "DDPBucketCounter",
+        "LaunchError",
+        "check_accumulation",
+        "expected_windows",
+        "run_ranks",
+    ]
+    assert gradaccum.testing.strategies.__all__ == [
+        "Epoch",
+        "epoch_lengths",
+        "epochs",
+        "item_counts",
+        "steps",
+    ]
+    for module in (gradaccum.testing, gradaccum.testing.strategies):
+        assert module.__all__ == sorted(module.__all__)
+        for name in module.__all__:
+            assert hasattr(module, name)
+
+
+def test_import_gradaccum_leaves_testing_and_hypothesis_out() -> None:
+    """``import gradaccum`` stays torch + typing-extensions: gradaccum.testing is not
+    imported, and hypothesis only by gradaccum.testing.strategies."""
+    code = (
+        "import sys, gradaccum; a = {'gradaccum.testing', 'hypothesis'} & set(sys.modules); "
+        "import gradaccum.testing; b = 'hypothesis' in sys.modules; "
+        "import gradaccum.testing.strategies; c = 'hypothesis' in sys.modules; "
+        "print(sorted(a), b, c)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert result.stdout.split("\n")[-2] == "[] False True"
+
+
 def test_errors_subclass_the_matching_builtins() -> None:
     """Callers can catch the library's errors or the builtin they already expect."""
     assert issubclass(gradaccum.ConfigError, ValueError)
@@ -63,14 +108,20 @@ def test_errors_subclass_the_matching_builtins() -> None:
 
 @pytest.mark.parametrize(
     "module",
-    ["accumulator", "checks", "cli", "errors", "faults", "misuse", "schedule", "sync", "verify"],
+    [
+        *("accumulator", "checks", "cli", "errors", "faults", "misuse", "schedule", "sync"),
+        *("testing.counting", "testing.equivalence", "testing.ranks", "testing.strategies"),
+        "verify",
+    ],
 )
 def test_docstring_examples_run(module: str) -> None:
     """Every `Example:` in the docstrings is executed and its output checked."""
     imported = importlib.import_module(f"gradaccum.{module}")
     globs = vars(imported) | {"torch": torch}
-    failed, _ = doctest.testmod(imported, globs=globs, raise_on_error=False, verbose=False)
+    failed, attempted = doctest.testmod(imported, globs=globs, raise_on_error=False, verbose=False)
     assert failed == 0
+    if module.startswith("testing."):  # each part of gradaccum.testing shows itself
+        assert attempted > 0
 
 
 def test_readme_example_runs() -> None:

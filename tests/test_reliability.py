@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gradaccum
-from gradaccum.verify import OpCounter
+from gradaccum.testing import CollectiveCounter
 from tests.helpers import (
     Batch,
     concat,
@@ -96,7 +96,7 @@ def test_default_lets_nan_through_like_plain_pytorch() -> None:
 def test_check_costs_one_host_sync_per_window_and_none_off_it() -> None:
     """The check reads one flag at the boundary; non-boundary microsteps stay sync-free."""
     model, _, acc = setup(steps=2, on_nonfinite="skip", max_grad_norm=1.0)
-    counter = OpCounter()
+    counter = CollectiveCounter()
     with counter, acc.microstep(mean_loss(model, BATCHES[0])):
         pass
     assert counter.host_syncs == 0

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from gradaccum.verify import launch, results
+from gradaccum.testing import LaunchError, run_ranks
 from tests import distributed
 from tests.distributed import run
 from tests.helpers import make_model, reference_sgd
@@ -72,13 +72,14 @@ def test_a_rank_failing_in_a_block_is_named_by_the_others() -> None:
     RankFailedError naming rank 1 and its error, having applied nothing; rank 1 refuses
     to go on. Well within the process-group timeout."""
     started = time.monotonic()
-    outcomes = launch(distributed.fail_inside_a_block, 2, timeout=distributed.PROCESS_GROUP_TIMEOUT)
+    with pytest.raises(LaunchError) as caught:
+        run_ranks(distributed.fail_inside_a_block, 2, timeout=distributed.PROCESS_GROUP_TIMEOUT)
     assert time.monotonic() - started < distributed.PROCESS_GROUP_TIMEOUT
-    assert outcomes[1].error is not None
-    assert "refused: microstep() was called after this rank failed in window 1" in outcomes[1].error
-    assert "restart every rank from the last checkpoint" in outcomes[1].error
-    assert outcomes[0].error is None
-    (message, unchanged, global_step), _ = results([outcomes[0], outcomes[0]])
+    assert list(caught.value.failures) == [1]
+    failed = caught.value.failures[1]
+    assert "refused: microstep() was called after this rank failed in window 1" in failed
+    assert "restart every rank from the last checkpoint" in failed
+    message, unchanged, global_step = caught.value.results[0]
     assert "rank 0 stopped in window 1 because rank 1 failed there first" in message
     assert "KeyError: 'rank 1 fails on purpose'" in message
     assert unchanged

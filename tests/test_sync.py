@@ -5,11 +5,9 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import gradaccum
@@ -43,17 +41,6 @@ def test_no_sync_on_a_plain_module_accumulates_normally() -> None:
         mean_loss(twin, batch).backward()
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)
-
-
-@pytest.fixture
-def process_group(tmp_path: Path) -> Iterator[None]:
-    """A real one-rank gloo group, so real DDP and fully_shard modules can be built."""
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.usefixtures("process_group")
@@ -102,6 +89,25 @@ def test_ddp_static_graph_is_refused_when_deferring() -> None:
         with acc.microstep(mean_loss(ddp, batch)):
             pass
     assert (acc.steps, acc.global_step, ddp.require_backward_grad_sync) == (1, 2, True)
+
+
+@pytest.mark.usefixtures("process_group")
+def test_no_sync_refuses_static_graph_with_a_fix_it_can_take() -> None:
+    """no_sync() has no sync argument, so its refusal of static_graph=True says what to do
+    instead; the DDP flag is left as it was."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(make_model(), static_graph=True)
+    with pytest.raises(gradaccum.ConfigError) as caught, gradaccum.no_sync(ddp):
+        pass
+    message = str(caught.value)
+    assert message.startswith(
+        "no_sync() cannot keep the gradients of a DistributedDataParallel with "
+        "static_graph=True local"
+    )
+    assert "run these microsteps outside no_sync()" in message
+    assert "sync=" not in message
+    assert ddp.require_backward_grad_sync
 
 
 class Wrapper(nn.Module):

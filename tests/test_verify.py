@@ -30,7 +30,7 @@ def verify_command(*options: str) -> subprocess.CompletedProcess[str]:
 def test_verify_passes_and_prints_json() -> None:
     """The main job, as a user runs it: single-process, DDP x2 and fully_shard x2 rows,
     steps 1 and 4, all passing, with the whole number of collectives each policy costs
-    per window, and DDP's one-time broadcasts apart from them."""
+    per window, and what runs once apart from them."""
     result = verify_command("--json")
     assert result.returncode == 0, result.stderr
     rows = {(r["path"], r["steps"]): r for r in json.loads(result.stdout)}
@@ -54,9 +54,10 @@ def test_verify_passes_and_prints_json() -> None:
             for counts in row[field].values():
                 assert all(type(n) is int for n in counts.values()), (path, steps, field)
         once = row["collectives_one_time"]
-        # DDP broadcasts its rebuilt buckets once, after the first backward; nothing else
-        # runs outside the steady count per window.
-        expected = {"bc": 2} if path == "DDP" else {}
+        # The ranks agree on the epoch's length (one all-reduce) and DDP broadcasts its
+        # rebuilt buckets once, after the first backward; nothing else runs outside the
+        # steady count per window.
+        expected = {"DDP": {"ar": 1, "bc": 2}, "fully_shard": {"ar": 1}}.get(path, {})
         assert once == {"auto": expected, "boundary": expected, "every": expected}
     assert rows["single-process", 4]["collectives_per_window"] == {
         "auto": {},
@@ -71,13 +72,13 @@ def test_verify_passes_and_prints_json() -> None:
 
 def test_verify_table_fits_100_columns_and_ends_in_the_verdict() -> None:
     """The default table: no line over 100 columns, whole collective counts per window
-    with DDP's broadcasts apart, and a last line that says in words that all held."""
+    with the one-time collectives apart, and a last line that says in words that all held."""
     result = verify_command()
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert max(len(line) for line in lines) <= verify.WIDTH == 100
     assert lines[-1] == (
-        "All 6 rows held: exact gradients, 1 step per window, "
+        "All 6 rows held: exact parameters, 1 step per window, "
         "no deferred reduction or host sync mid-window."
     )
     table = lines[lines.index("collectives per window under each sync policy:") + 1 :]
@@ -93,8 +94,8 @@ def test_verify_table_fits_100_columns_and_ends_in_the_verdict() -> None:
         for count in counts:
             assert re.fullmatch(r"0|\d+ [a-z]{2}( \+ \d+ [a-z]{2})*", count), counts
     assert cells["single-process", "4"] == ["0", "0", "0"]
-    assert cells["DDP", "4"] == ["1 ar", "1 ar", "4 ar", "2 bc"]
-    assert cells["fully_shard", "4"] == ["16 ag + 8 rs", "16 ag + 2 rs", "16 ag + 8 rs"]
+    assert cells["DDP", "4"] == ["1 ar", "1 ar", "4 ar", "1 ar + 2 bc"]
+    assert cells["fully_shard", "4"] == ["16 ag + 8 rs", "16 ag + 2 rs", "16 ag + 8 rs", "1 ar"]
 
 
 def rows_of(row: verify.Row, n: int, **broken: Any) -> list[verify.Row]:
@@ -109,10 +110,10 @@ def test_report_names_the_failed_rows_and_why() -> None:
     rows = [row, *rows_of(row, 1, deferred_reductions=3, max_abs_diff=1.5e-3)]
     lines = verify.report(rows, "cpu").splitlines()
     assert lines[-3:-1] == [
-        "FAIL path0 (python), steps 4: gradient off the reference by 1.5e-03 (> 1e-10)",
+        "FAIL path0 (python), steps 4: parameters off the reference by 1.5e-03 (> 1e-10)",
         "FAIL path0 (python), steps 4: 3 deferred reductions ran",
     ]
-    assert lines[-1] == "1 of 2 rows FAILED (gradient, deferred reductions): path0 steps 4."
+    assert lines[-1] == "1 of 2 rows FAILED (parameters, deferred reductions): path0 steps 4."
     everything = {
         "optimizer_steps": -1,
         "max_abs_diff": float("nan"),
@@ -122,7 +123,7 @@ def test_report_names_the_failed_rows_and_why() -> None:
     lines = verify.report(rows_of(row, 8, **everything), "cpu").splitlines()
     assert max(len(line) for line in lines) <= verify.WIDTH
     assert lines[-1] == (
-        "8 of 8 rows FAILED (step count, gradient, deferred reductions, host syncs): "
+        "8 of 8 rows FAILED (step count, parameters, deferred reductions, host syncs): "
         "see FAIL above."
     )
     assert sum(line.startswith("FAIL path") for line in lines) == 8 * 4
@@ -156,7 +157,7 @@ def test_wide_report_puts_each_row_on_one_line() -> None:
 
 
 def test_a_wrong_row_fails() -> None:
-    """A row with a wrong cadence, gradient or a host sync is reported as failing."""
+    """A row with a wrong cadence, parameters or a host sync is reported as failing."""
     row = verify.run_single_process(4, torch.device("cpu"))
     assert row.ok
     for field, bad in (
@@ -171,25 +172,68 @@ def test_a_wrong_row_fails() -> None:
 
 def test_verify_catches_arming_after_the_forward() -> None:
     """Patched to arm in the backward, DDP all-reduces deferred microsteps and skips the
-    boundary's: the row fails on deferred reductions and on the gradient."""
+    boundary's: the row fails on deferred reductions and on the parameters."""
     for row in run(distributed.verify_rows_with_late_arming, 2)[0]:
         assert not row.ok
         assert row.deferred_reductions > 0
         assert row.max_abs_diff > 1e-3
 
 
-def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
-    """No command, a bad --steps or --nproc, or --wide with --json, is a usage error
-    (exit 2) naming the option."""
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], "the following arguments are required: COMMAND"),
+        (["verify", "--wide", "--json"], "argument --json: not allowed with argument --wide"),
+        (
+            ["verify", "--steps", "0"],
+            "argument --steps: must be a positive int, got 0; pass 1 for no accumulation",
+        ),
+        (
+            ["verify", "--steps", "14"],
+            "argument --steps: 14 is more than the 13 microbatches of verify's epoch, which "
+            "would give no optimizer step; pass --steps 13 or less",
+        ),
+        (
+            ["verify", "--nproc", "0"],
+            "argument --nproc: must be 2 or more, got 0: the DDP and fully_shard rows need "
+            "ranks that communicate; pass --nproc 2 (the default)",
+        ),
+        (["verify", "--nproc", "1"], "argument --nproc: must be 2 or more, got 1"),
+        (["verify", "--device", "tpu"], "argument --device: invalid choice: 'tpu' (choose from"),
+        (["verify", "--device", "cuda:0"], "argument --device: invalid choice: 'cuda:0'"),
+        (
+            ["verify", "--device", "cuda"],
+            "argument --device: 'cuda' is not available on this machine "
+            "(torch.cuda.is_available() is False); pass --device cpu",
+        ),
+    ],
+)
+def test_usage_errors(
+    argv: list[str],
+    message: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What verify cannot run as its help promises is a usage error (exit 2) that names
+    the option, the value and the fix, before any row runs; never a traceback, never a
+    table with rows silently left out (--nproc 1 used to drop every distributed row)."""
     from gradaccum.__main__ import main
 
-    for argv, named in (
-        ([], "COMMAND"),
-        (["verify", "--steps", "0"], "--steps"),
-        (["verify", "--nproc", "0"], "--nproc"),
-        (["verify", "--wide", "--json"], "--json"),
-    ):
-        with pytest.raises(SystemExit) as caught:
-            main(argv)
-        assert caught.value.code == 2
-        assert named in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # --device cuda: none here
+    monkeypatch.setattr(verify, "run_single_process", None)  # a row that runs fails the test
+    with pytest.raises(SystemExit) as caught:
+        main(argv)
+    assert caught.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert f"error: {message}" in " ".join(captured.err.split())
+
+
+def test_a_usage_error_from_the_command_line_has_no_traceback() -> None:
+    """The real entry point: --steps past the epoch exits 2 with the usage and a message."""
+    result = verify_command("--steps", "20")
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.startswith("usage: python -m gradaccum verify")
+    assert "argument --steps: 20 is more than the 13 microbatches" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,247 @@
+"""Run a function on N local ranks inside a test: every rank's result, or every rank's
+traceback, and nothing left running."""
+
+from __future__ import annotations
+
+import gc
+import io
+import multiprocessing
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradaccum.checks import check_choice
+from gradaccum.errors import ConfigError, ConfigTypeError, GradaccumError, describe
+from gradaccum.schedule import check_positive
+
+__all__ = ["LaunchError", "run_ranks"]
+
+
+class LaunchError(GradaccumError, RuntimeError):
+    """A rank raised, or gave no answer in time (it was killed).
+
+    Its message holds every failed rank's traceback, rank by rank.
+
+    Attributes:
+        failures: Each failed rank's traceback, or why it gave no answer.
+        results: What the other ranks returned.
+    """
+
+    def __init__(self, failures: Mapping[int, str], results: Mapping[int, Any]) -> None:
+        lines = [f"{len(failures)} of {len(failures) + len(results)} ranks failed"]
+        lines += [f"--- rank {rank} ---\n{text}" for rank, text in sorted(failures.items())]
+        super().__init__("\n".join(lines))
+        self.failures = dict(failures)
+        self.results = dict(results)
+
+    def __reduce__(self) -> tuple[type, tuple[dict[int, str], dict[int, Any]]]:
+        return type(self), (self.failures, self.results)
+
+
+@dataclass
+class _Answer:
+    """What one rank sent back: its result (``torch.save``'s bytes) or its traceback."""
+
+    rank: int
+    value: bytes | None = None
+    error: str | None = None
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    backend: str = "gloo",
+    timeout: float = 60.0,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` local ranks and
+    return what each rank returned, in rank order.
+
+    Each rank is a process forked from a server that imported torch and ``fn``'s module
+    once, joined into a process group of ``backend`` through a ``FileStore`` in a fresh
+    temporary directory, with ``MASTER_ADDR=127.0.0.1``, ``GLOO_SOCKET_IFNAME=lo`` and
+    one intra-op thread; a barrier connects them all before ``fn`` runs. A collective
+    that waits longer than ``timeout`` seconds raises on its rank; a rank that has not
+    answered ``2 * timeout`` seconds after the launch (start-up included) is killed.
+    Every process is gone when this returns or raises.
+
+    What crosses the process boundary: ``fn`` is pickled by reference, so it must be a
+    module-level function (or a ``functools.partial`` of one) of a module the ranks can
+    import, not a lambda or a local function; ``args`` and ``kwargs`` are pickled; a
+    rank's return value is written with ``torch.save`` and read with ``torch.load``, so
+    tensors (move them to the CPU), dataclasses and plain containers come back, and any
+    class in them must be importable here.
+
+    Args:
+        fn: Called on each rank with its rank and the world size first.
+        world_size: How many ranks (processes).
+        args: More positional arguments for ``fn``.
+        kwargs: Keyword arguments for ``fn``.
+        backend: ``"gloo"`` (CPU), or ``"nccl"``, which needs a GPU per rank; rank ``r``
+            runs on ``cuda:r``.
+        timeout: Seconds a collective may wait (the process group's timeout).
+
+    Returns:
+        Every rank's return value, rank 0 first.
+
+    Raises:
+        LaunchError: A rank raised or was killed; it holds every failed rank's traceback
+            and the others' results.
+        ConfigError: ``world_size`` is below 1, ``timeout`` is not positive, or NCCL was
+            asked for without a GPU per rank.
+        ConfigTypeError: ``fn``, ``args`` or ``kwargs`` cannot be sent to the ranks.
+
+    Example:
+        >>> run_ranks(pow, 2)  # pow(rank, world_size) on each rank
+        [0, 1]
+    """
+    _check_launch(fn, world_size, args, kwargs, backend, timeout)
+    answers = _launch(fn, world_size, tuple(args), dict(kwargs or {}), backend, timeout)
+    failures = {a.rank: a.error for a in answers if a.error is not None}
+    results = {
+        a.rank: torch.load(io.BytesIO(a.value), weights_only=False)  # from our own ranks
+        for a in answers
+        if a.value is not None
+    }
+    if failures:
+        raise LaunchError(failures, results)
+    return [results[rank] for rank in range(world_size)]
+
+
+def _check_launch(
+    fn: object,
+    world_size: object,
+    args: object,
+    kwargs: object,
+    backend: object,
+    timeout: object,
+) -> None:
+    if not callable(fn):
+        msg = f"fn must be callable as fn(rank, world_size, *args), got {describe(fn)}"
+        raise ConfigTypeError(msg)
+    world = check_positive(world_size, "world_size")
+    check_choice(backend, "backend", ("gloo", "nccl"))
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
+        msg = f"timeout must be a positive number of seconds, got {describe(timeout)}"
+        raise ConfigTypeError(msg)
+    if not timeout > 0:
+        msg = f"timeout must be a positive number of seconds, got {timeout}"
+        raise ConfigError(msg)
+    if backend == "nccl" and torch.cuda.device_count() < world:
+        msg = (
+            f"backend='nccl' needs a GPU per rank, {world} for world_size={world}, and "
+            f"this machine has {torch.cuda.device_count()}; use backend='gloo'"
+        )
+        raise ConfigError(msg)
+    if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
+        msg = f"args must be a sequence of fn's positional arguments, got {describe(args)}"
+        raise ConfigTypeError(msg)
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        msg = f"kwargs must be a mapping of fn's keyword arguments or None, got {describe(kwargs)}"
+        raise ConfigTypeError(msg)
+    for name, value in (("fn", fn), ("args", args), ("kwargs", kwargs)):
+        try:
+            pickle.dumps(value)
+        except Exception as error:
+            msg = (
+                f"{name} cannot be sent to the ranks ({type(error).__name__}: {error}); "
+                "pass a module-level function (not a lambda or a local function) and "
+                "picklable arguments"
+            )
+            raise ConfigTypeError(msg) from None
+
+
+def _launch(
+    fn: Callable[..., Any],
+    world: int,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    backend: str,
+    timeout: float,
+) -> list[_Answer]:
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", getattr(fn, "__module__", None) or "torch"])
+    queue = context.SimpleQueue()
+    deadline = time.monotonic() + 2 * timeout
+    answers: dict[int, _Answer] = {}
+    with tempfile.TemporaryDirectory(prefix="gradaccum-") as directory:
+        processes = [
+            context.Process(
+                target=_rank_main,
+                args=(fn, rank, world, backend, timeout, directory, args, kwargs, queue),
+            )
+            for rank in range(world)
+        ]
+        try:
+            for process in processes:
+                process.start()
+            while len(answers) < world and time.monotonic() < deadline:
+                if not queue.empty():
+                    answer = queue.get()
+                    answers[answer.rank] = answer
+                elif any(process.is_alive() for process in processes):
+                    time.sleep(0.01)
+                elif queue.empty():
+                    break  # every rank is gone and nothing more will come
+            for process in processes:
+                process.join(timeout=max(0.0, deadline - time.monotonic()))
+        finally:
+            for process in processes:  # a rank still running now hangs: end it
+                if process.is_alive():
+                    process.kill()
+                if process.pid is not None:
+                    process.join()
+    for rank, process in enumerate(processes):
+        if rank not in answers:
+            why = "was killed" if process.exitcode == -9 else f"exit code {process.exitcode}"
+            answers[rank] = _Answer(
+                rank, error=f"rank {rank} gave no answer within {2 * timeout:g} s ({why})"
+            )
+    return [answers[rank] for rank in range(world)]
+
+
+def _rank_main(
+    fn: Callable[..., Any],
+    rank: int,
+    world: int,
+    backend: str,
+    timeout: float,
+    directory: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    queue: Any,
+) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo")
+    torch.set_num_threads(1)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(
+            backend,
+            store=dist.FileStore(os.path.join(directory, "store"), world),  # type: ignore[attr-defined]
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=timeout),
+        )
+        # Every rank is connected before fn runs, so that one failing at once cannot
+        # break the others' connections while they are being made.
+        dist.barrier()
+        buffer = io.BytesIO()
+        torch.save(fn(rank, world, *args, **kwargs), buffer)
+        queue.put(_Answer(rank, value=buffer.getvalue()))
+    except BaseException:
+        queue.put(_Answer(rank, error=traceback.format_exc()))
+        os._exit(1)  # leave at once: a broken group may hang in its teardown
+    gc.collect()  # models hold the group in reference cycles; free them before destroying it
+    dist.destroy_process_group()
