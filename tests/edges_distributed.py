@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 import gradaccum
-from gradaccum.verify import OpCounter
+from gradaccum.testing import CollectiveCounter
 from tests.distributed import full_params, rank_batches, wrap
 from tests.helpers import make_model, mean_loss
 
@@ -50,7 +50,7 @@ def two_forwards(rank: int, world: int) -> dict[str, Any]:
     epoch (besides the length agreement), the parameters."""
     model = wrap("ddp", make_model())
     acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=2)
-    counter = OpCounter()
+    counter = CollectiveCounter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", gradaccum.GradaccumWarning)
         epoch = iter(acc.epoch(rank_batches(rank, [2] * 8)))
@@ -63,7 +63,7 @@ def two_forwards(rank: int, world: int) -> dict[str, Any]:
     acc.close()
     return {
         "warnings": [str(w.message) for w in caught],
-        "allreduces": counter.collectives.get("c10d::allreduce_", 0),
+        "allreduces": counter.counts.all_reduces,
         "params": full_params(model, "ddp"),
         "global_step": acc.global_step,
     }
