@@ -171,6 +171,7 @@ def scenario(rank: int, world: int, kind: str, policies: list[SyncPolicy], round
 
 
 def _data(rank: int) -> list[Batch]:
+    """Rank ``rank``'s window: ``STEPS`` microbatches of one row, its own data."""
     generator = torch.Generator().manual_seed(1000 + rank)
     return [
         (torch.randn(1, WIDTH, generator=generator), torch.randn(1, WIDTH, generator=generator))
@@ -223,7 +224,7 @@ def against_hand(rank: int, world: int, windows: int) -> Result:
         loops[f"hand {policy}"] = functools.partial(
             _hand_window, hand, optimizer, data, policy == "boundary"
         )
-        twins.append((ours, hand))
+        twins.append((ours, hand, acc))
     gc.collect()
     gc.freeze()
     times: dict[str, list[int]] = {name: [] for name in loops}
@@ -234,9 +235,11 @@ def against_hand(rank: int, world: int, windows: int) -> Result:
                 times[name].append(elapsed)
     diff = max(
         (p.to_local() - q.to_local()).abs().max().item()
-        for ours, hand in twins
+        for ours, hand, _ in twins
         for p, q in zip(ours.parameters(), hand.parameters(), strict=True)
     )
+    for _, _, acc in twins:
+        acc.close()
     return {"times": times, "diff": diff}
 
 
