@@ -23,8 +23,19 @@ rank): *grads held*, the gradient bytes alive after a non-boundary microstep (sh
 *peak RSS*, ``ru_maxrss``, from the fork server's (torch imported) up, with glibc told to
 mmap every block of 1 MiB or more so that RSS follows the live tensors, not its free lists.
 
+*Against the hand loop* (``fully_shard``, an MLP of 4 ``Linear(2048, 2048)``, 16.8 M
+parameters, steps=8): gradaccum's design-card loop against the hand-written loop that does
+the same, on twin models with the same weights and data, one open accumulator per policy:
+``"auto"`` against a loop that never toggles (forward, ``(loss / 8).backward()``, and at the
+window's end ``optimizer.step()`` and ``zero_grad(set_to_none=True)``), ``"boundary"`` against
+one that calls ``set_requires_gradient_sync(last)`` before each forward. The four loops take
+turns window by window (the order reversed every other round) for ``--hand-windows`` windows
+each after a warm-up window; each window's time is the slower rank's; printed: each policy's
+gradaccum/hand ratio per window and their median. Target: <= 1.05. The largest difference
+between the twins' parameters at the end should be 0.0: both do the same arithmetic.
+
 The script only reports; a failing rank raises with every rank's traceback.
-Usage: ``python benchmarks/comm.py [--rounds 8]``
+Usage: ``python benchmarks/comm.py [--rounds 8] [--hand-windows 8] [--only hand]``
 """
 
 from __future__ import annotations
@@ -32,7 +43,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import functools
 import gc
+import itertools
 import resource
 import statistics
 import time
@@ -51,6 +64,7 @@ from gradaccum.verify import OpCounter, launch, results, wrapper
 
 WORLD, STEPS, WIDTH, DEPTH = 2, 8, 2048, 6
 TARGET = 2.0
+HAND_DEPTH, HAND_TARGET = 4, 1.05  # the comparison against the hand loop
 MIB = 1 << 20
 INPUTS = frozenset({"tensors", "input", "inputs", "input_tensor", "input_tensors"})
 
@@ -84,10 +98,10 @@ def _nbytes(value: object) -> int:
     return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
 
 
-def _model(kind: str) -> nn.Module:
+def _model(kind: str, depth: int = DEPTH) -> nn.Module:
     """The MLP, the same on every rank, in DDP or sharded layer by layer."""
     torch.manual_seed(0)
-    layers = [nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)]
+    layers = [nn.Linear(WIDTH, WIDTH) for _ in range(depth)]
     model = nn.Sequential(*[m for layer in layers for m in (layer, nn.ReLU())][:-1])
     return wrapper("DDP" if kind == "ddp" else "fully_shard", torch.device("cpu"))(model)
 
@@ -138,11 +152,7 @@ def scenario(rank: int, world: int, kind: str, policies: list[SyncPolicy], round
         ctypes.CDLL(None).mallopt(-3, MIB)  # -3: M_MMAP_THRESHOLD
     model = _model(kind)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-    generator = torch.Generator().manual_seed(1000 + rank)
-    data = [
-        (torch.randn(1, WIDTH, generator=generator), torch.randn(1, WIDTH, generator=generator))
-        for _ in range(STEPS)
-    ]
+    data = _data(rank)
     gc.collect()
     gc.freeze()
     times: dict[str, list[int]] = {policy: [] for policy in policies}
@@ -158,6 +168,79 @@ def scenario(rank: int, world: int, kind: str, policies: list[SyncPolicy], round
         counted[policy] = {"calls": counter.collectives, "bytes": counter.input_bytes, "held": held}
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     return {"times": times, "counted": counted, "peak": peak}
+
+
+def _data(rank: int) -> list[Batch]:
+    """Rank ``rank``'s window: ``STEPS`` microbatches of one row, its own data."""
+    generator = torch.Generator().manual_seed(1000 + rank)
+    return [
+        (torch.randn(1, WIDTH, generator=generator), torch.randn(1, WIDTH, generator=generator))
+        for _ in range(STEPS)
+    ]
+
+
+def _hand_window(
+    model: Any, optimizer: torch.optim.Optimizer, data: list[Batch], toggle: bool
+) -> int:
+    """One window of the hand-written loop; nanoseconds from a barrier to the step."""
+    gc.collect()
+    dist.barrier()
+    start = time.perf_counter_ns()
+    for index, (inputs, targets) in enumerate(data):
+        if toggle:  # what "boundary" does: reduce-scatter on the window's last microstep only
+            model.set_requires_gradient_sync(index == len(data) - 1)
+        (nn.functional.mse_loss(model(inputs), targets) / len(data)).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return time.perf_counter_ns() - start
+
+
+def _acc_window(model: nn.Module, acc: Accumulator, data: list[Batch]) -> int:
+    """One window (an epoch of one window) of the design-card loop; nanoseconds from a
+    barrier to the step. The epoch's length agreement, once per epoch, is before the clock."""
+    epoch = acc.epoch(data)
+    first = next(epoch)
+    gc.collect()
+    dist.barrier()
+    start = time.perf_counter_ns()
+    for inputs, targets in itertools.chain([first], epoch):
+        with acc.microstep(nn.functional.mse_loss(model(inputs), targets)):
+            pass
+    return time.perf_counter_ns() - start
+
+
+def against_hand(rank: int, world: int, windows: int) -> Result:
+    """One rank: per policy, a gradaccum twin and a hand twin take turns window by window."""
+    data = _data(rank)
+    loops: dict[str, Any] = {}
+    twins = []
+    for policy in ("auto", "boundary"):
+        ours, hand = _model("fully_shard", HAND_DEPTH), _model("fully_shard", HAND_DEPTH)
+        acc = Accumulator(
+            ours, torch.optim.SGD(ours.parameters(), lr=1e-4), steps=STEPS, sync=policy
+        )
+        optimizer = torch.optim.SGD(hand.parameters(), lr=1e-4)
+        loops[f"gradaccum {policy}"] = functools.partial(_acc_window, ours, acc, data)
+        loops[f"hand {policy}"] = functools.partial(
+            _hand_window, hand, optimizer, data, policy == "boundary"
+        )
+        twins.append((ours, hand, acc))
+    gc.collect()
+    gc.freeze()
+    times: dict[str, list[int]] = {name: [] for name in loops}
+    for index in range(1 + windows):
+        for name in list(loops)[:: -1 if index % 2 else 1]:
+            elapsed = loops[name]()
+            if index:
+                times[name].append(elapsed)
+    diff = max(
+        (p.to_local() - q.to_local()).abs().max().item()
+        for ours, hand, _ in twins
+        for p, q in zip(ours.parameters(), hand.parameters(), strict=True)
+    )
+    for _, _, acc in twins:
+        acc.close()
+    return {"times": times, "diff": diff}
 
 
 def _run(kind: str, policies: list[SyncPolicy], rounds: int) -> list[Result]:
@@ -194,11 +277,47 @@ def _ratio(ranks: list[Result], slow: str, fast: str) -> float:
     return statistics.median(s / f for s, f in zip(_ms(ranks, slow), _ms(ranks, fast), strict=True))
 
 
+def _report_hand(ranks: list[Result], windows: int) -> None:
+    """Each policy's gradaccum/hand time ratio per window, the median, and the twins' gap."""
+    print(
+        f"\nagainst the hand loop: fully_shard, {HAND_DEPTH} x Linear({WIDTH}, {WIDTH}), batch 1, "
+        f"steps={STEPS}, {WORLD} gloo ranks; {windows} timed windows per loop, interleaved"
+    )
+    for policy in ("auto", "boundary"):
+        ours, hand = _ms(ranks, f"gradaccum {policy}"), _ms(ranks, f"hand {policy}")
+        ratios = [a / b for a, b in zip(ours, hand, strict=True)]
+        ratio = statistics.median(ratios)
+        print(
+            f"{policy:<9} gradaccum {statistics.median(ours):7.1f} ms, hand "
+            f"{statistics.median(hand):7.1f} ms; ratio per window "
+            f"{' '.join(f'{r:.3f}' for r in ratios)}; median {ratio:.3f} (target <= "
+            f"{HAND_TARGET}: {'met' if ratio <= HAND_TARGET else 'NOT met'})"
+        )
+    print(f"largest parameter difference, gradaccum vs hand: {max(r['diff'] for r in ranks)}")
+
+
 def main() -> None:
-    """Launch the ranks (four launches of two), then print both sections."""
+    """Launch the ranks (four launches of two, and one for the hand loops), then print
+    each section."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--rounds", type=int, default=8, help="timed DDP windows per policy")
-    rounds = max(2, parser.parse_args().rounds)
+    parser.add_argument(
+        "--hand-windows", type=int, default=8, help="timed windows per loop against the hand loop"
+    )
+    parser.add_argument(
+        "--only", choices=["policies", "hand"], help="run only that part (default: both)"
+    )
+    args = parser.parse_args()
+    if args.only != "hand":
+        _policies(max(2, args.rounds))
+    if args.only != "policies":
+        windows = max(1, args.hand_windows)
+        hand = results(launch(against_hand, WORLD, (windows,), timeout=120.0 + 10.0 * windows))
+        _report_hand(hand, windows)
+
+
+def _policies(rounds: int) -> None:
+    """gradaccum's policies against each other: DDP, fully_shard and memory."""
     ddp = _run("ddp", ["auto", "every"], rounds)
     fsdp = _run("fully_shard", ["boundary", "every"], rounds // 2)
     fresh = {policy: _run("fully_shard", [policy], 0) for policy in ("boundary", "every")}

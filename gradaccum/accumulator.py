@@ -97,7 +97,7 @@ class Step:
         the window's items. Computed on first read, so an unread loss costs nothing.
         """
         if self._loss is None and self._losses:
-            total = torch.stack([loss.detach() for loss in self._losses]).sum()
+            total = torch.stack(list(self._losses)).sum()
             self._loss = total / self._divisor
         return self._loss
 
@@ -365,7 +365,7 @@ class Accumulator:
             if self._options.scaler is not None:
                 scaled = self._options.scaler.scale(scaled)
             scaled.backward()  # type: ignore[no-untyped-call]  # torch leaves it untyped
-            window.losses.append(loss)
+            window.losses.append(loss.detach())  # the value only: the graph is freed now
             if num_items is not None:
                 window.items.append(num_items)
             if not window.next_is_boundary:
@@ -719,7 +719,7 @@ class Accumulator:
                 divisor=window.divisor,
                 by_items=window.by_items,
                 items=list(window.items),
-                losses=[loss.detach() for loss in window.losses],
+                losses=list(window.losses),
                 grads=[_grad_copy(param) for param in boundary.params_of(self.optimizer)],
             )
         return dict(

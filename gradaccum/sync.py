@@ -171,20 +171,37 @@ class NoSyncContext(SyncStrategy):
 
 
 class FullyShardSync(SyncStrategy):
-    """FSDP2 ``fully_shard`` modules, and HSDP when their mesh is 2-D.
+    """FSDP2 ``fully_shard`` modules: FSDP, HSDP, and either on the data-parallel dims of a
+    larger mesh (tensor parallelism).
 
+    What FSDP reduces over is read from its own mesh information, not from the parameters'
+    mesh, which also has the dims FSDP does not reduce over (a TP dim): `group` is the
+    data-parallel ranks, the shard dim's (FSDP) or the shard and replicate dims' (HSDP).
     ``"auto"`` reduce-scatters every microstep, so that no unsharded gradient is held
-    between microsteps; on a 2-D (HSDP) mesh it all-reduces across replicas only on
-    the boundary. ``"boundary"`` keeps unsharded gradients until the boundary.
+    between microsteps; under HSDP it all-reduces across replicas only on the boundary.
+    ``"boundary"`` keeps unsharded gradients until the boundary.
+
+    Attributes:
+        kind: What was detected: ``"fully_shard"``, ``"HSDP"`` or ``"replicate"`` (no
+            shard dim), with ``" + TP"`` when the parameters are also split over dims
+            that FSDP does not reduce over.
     """
 
     def __init__(self, modules: list[Any], policy: SyncPolicy) -> None:
         self._modules = modules
         self._policy = policy
-        mesh = _mesh_of(modules)
-        self._hsdp = mesh.ndim == 2
-        self.group: dist.ProcessGroup | None = _mesh_group(mesh)
+        info = _mesh_info(modules)
+        shards, replicates = info.shard_mesh_dim is not None, info.replicate_mesh_dim is not None
+        self._hsdp = shards and replicates
+        self.group: dist.ProcessGroup | None = _mesh_group(info.mesh)
+        name = "HSDP" if self._hsdp else "fully_shard" if shards else "replicate"
+        beyond = _mesh_of(modules).size() > info.mesh.size()
+        self.kind = f"{name} + TP" if beyond else name
         self._found = [_fsdp_flags(module) for module in modules]
+
+    def __repr__(self) -> str:
+        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else []
+        return f"FullyShardSync({self.kind}, data-parallel ranks {ranks})"
 
     def arm(self, sync: bool) -> None:
         """Set reduce-scatter and (HSDP) all-reduce for the next backward."""
@@ -219,6 +236,45 @@ def _fsdp_flags(module: Any) -> list[tuple[bool, bool]]:
     return [(group.reduce_grads, group.all_reduce_grads) for group in _param_groups(module)]
 
 
+def _mesh_info(modules: list[Any]) -> Any:
+    """FSDP's own record of the mesh it reduces the gradients over, and which of its dims
+    shard and which replicate (``FSDPParamGroup.mesh_info``; private, but the only place
+    that tells the data-parallel dims from a TP dim of the parameters' mesh).
+
+    Raises:
+        ConfigError: No parameter group has one (no sharded parameter, or a torch that
+            keeps it elsewhere), or the groups reduce over different meshes.
+    """
+    infos = [
+        info
+        for module in modules
+        for group in _param_groups(module)
+        if (info := getattr(group, "mesh_info", None)) is not None
+    ]
+    if not infos:
+        msg = (
+            "the fully_shard model has no parameter group that records its data-parallel "
+            "mesh (FSDPParamGroup.mesh_info), so gradaccum cannot tell which ranks average "
+            "the gradients; shard at least one parameter with fully_shard, or register a "
+            "strategy with gradaccum.register_sync_strategy()"
+        )
+        raise ConfigError(msg)
+    first = infos[0]
+    for info in infos[1:]:
+        if (info.mesh, info.shard_mesh_dim, info.replicate_mesh_dim) != (
+            first.mesh,
+            first.shard_mesh_dim,
+            first.replicate_mesh_dim,
+        ):
+            msg = (
+                f"the fully_shard modules reduce their gradients over different meshes "
+                f"({first.mesh} and {info.mesh}), so no one item total or rank group fits "
+                "them all; shard every module over the same data-parallel mesh"
+            )
+            raise ConfigError(msg)
+    return first
+
+
 def _mesh_of(modules: list[Any]) -> Any:
     for module in modules:
         for param in module.parameters():
@@ -230,7 +286,7 @@ def _mesh_of(modules: list[Any]) -> Any:
 
 
 def _mesh_group(mesh: Any) -> dist.ProcessGroup:
-    """The group of every rank in the mesh: they all average the gradients."""
+    """The group of every rank in the data-parallel mesh: they all average the gradients."""
     if mesh.ndim == 1:
         return mesh.get_group()  # type: ignore[no-any-return]
     if mesh.size() == dist.get_world_size():

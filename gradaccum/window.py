@@ -24,7 +24,8 @@ class Window:
             (an epoch that ends sooner than planned is rescaled at the boundary).
         by_items: Whether this window passes ``num_items``; set by its first microstep.
         in_block: A microstep's ``with`` block is open.
-        losses: The window's losses so far, as the user passed them.
+        losses: The window's losses so far, as the user passed them but detached: holding
+            a loss's autograd graph until the boundary would keep what it references alive.
         items: The window's ``num_items`` so far (ints or 0-dim tensors).
     """
 

@@ -1,12 +1,14 @@
 """The accumulator (the facade) where its parts meet, on one process: resuming after a
 change of steps or from the top of the loop body, parameter groups added between windows,
 the steps setter at a window start, windows across epochs, item totals in float16, misuse
-that would lose data, and a failure after the update was applied."""
+that would lose data, a failure after the update was applied, and no loss's autograd graph
+held past its microstep."""
 
 from __future__ import annotations
 
 import copy
 import math
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -507,3 +509,52 @@ class TestFailureAfterTheUpdate:
         resumed = load_checkpoint(build(2), save_checkpoint(first))
         train(resumed, BATCHES[:8])
         assert_same_run(resumed, whole)
+
+
+# 9. No autograd graph held across microsteps ------------------------------------------
+
+
+class _Keep(torch.autograd.Function):
+    """Identity whose graph node holds ``keep`` (a ctx attribute, not a saved tensor, so
+    backward does not free it): alive exactly as long as the loss's graph is."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        ctx.keep = keep
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class TestNoGraphAcrossMicrosteps:
+    @pytest.mark.parametrize("by_items", [False, True])
+    def test_each_loss_graph_is_freed_when_its_block_exits(self, by_items: bool) -> None:
+        """Once a microstep's block has exited, nothing of its loss's autograd graph is
+        alive (only the loss's value is kept, for step.loss), also after the boundary
+        while its Step is held; step.loss and a mid-window checkpoint's losses are the
+        values, unchanged."""
+        import weakref
+
+        model, _, _, acc = build(steps=3)
+        alive: list[weakref.ref[torch.Tensor]] = []
+        values = []
+        for batch in BATCHES[:3]:
+            keep = torch.zeros(1000)  # what an activation the graph holds would be
+            alive.append(weakref.ref(keep))
+            inner = sum_loss(model, batch) if by_items else mean_loss(model, batch)
+            loss = _Keep.apply(inner, keep)
+            values.append(loss.detach().clone())
+            with acc.microstep(loss, num_items=2 if by_items else None) as step:
+                pass
+            del keep, inner, loss
+            assert alive[-1]() is None, "the loss's graph outlived its block"
+            if not step.boundary:
+                saved = acc.state_dict(include_grads=True)["window"]["losses"]
+                assert all(not loss.requires_grad for loss in saved)
+                assert torch.equal(torch.stack(saved), torch.stack(values))
+        assert step.boundary
+        assert step.loss is not None
+        want = torch.stack(values).sum() / (6 if by_items else 3)
+        assert torch.equal(step.loss, want)
