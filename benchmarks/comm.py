@@ -1,6 +1,6 @@
 """Communication saved by deferring gradient sync: DDP and ``fully_shard`` on 2 gloo ranks.
 
-Two CPU ranks (`gradaccum.verify.launch`: gloo, one thread each) train an MLP of 6
+Two CPU ranks (`gradaccum.testing.run_ranks`: gloo, one thread each) train an MLP of 6
 ``Linear(2048, 2048)`` with ReLU (25.2 M float32 parameters, a 96 MiB gradient), MSE loss,
 SGD and ``Accumulator(..., steps=8)`` on microbatches of one row, so that communication
 dominates. Each rank has its own data. A *window* is the 8 microsteps of one optimizer step.
@@ -60,7 +60,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from gradaccum import Accumulator, SyncPolicy
-from gradaccum.verify import OpCounter, launch, results, wrapper
+from gradaccum.testing import CollectiveCounter, run_ranks
+from gradaccum.verify import wrapper
 
 WORLD, STEPS, WIDTH, DEPTH = 2, 8, 2048, 6
 TARGET = 2.0
@@ -72,8 +73,8 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 Result = dict[str, Any]
 
 
-class ByteCounter(OpCounter):  # type: ignore[no-untyped-call]  # torch leaves it untyped
-    """`OpCounter` that also adds up, per ``c10d`` op, the bytes of its input tensors."""
+class ByteCounter(CollectiveCounter):  # type: ignore[misc]
+    """`CollectiveCounter` that also adds up, per ``c10d`` op, the bytes of its inputs."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -133,12 +134,13 @@ def _window(
     """
     held = 0
     with Accumulator(model, optimizer, steps=STEPS, sync=sync) as acc:
-        epoch = acc.epoch(data)  # the ranks agree on its length here, before the clock
+        epoch = iter(acc.epoch(data))
+        first = next(epoch)  # the ranks agree on its length here, before the clock
         gc.collect()
         dist.barrier()
         start = time.perf_counter_ns()
         with counter if counter is not None else contextlib.nullcontext():
-            for inputs, targets in epoch:
+            for inputs, targets in itertools.chain([first], epoch):
                 with acc.microstep(nn.functional.mse_loss(model(inputs), targets)) as step:
                     pass
                 if counter is not None and not step.boundary:
@@ -165,7 +167,7 @@ def scenario(rank: int, world: int, kind: str, policies: list[SyncPolicy], round
     for policy in policies:
         counter = ByteCounter()
         _, held = _window(model, optimizer, data, policy, counter)
-        counted[policy] = {"calls": counter.collectives, "bytes": counter.input_bytes, "held": held}
+        counted[policy] = {"calls": counter.ops, "bytes": counter.input_bytes, "held": held}
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     return {"times": times, "counted": counted, "peak": peak}
 
@@ -245,7 +247,7 @@ def against_hand(rank: int, world: int, windows: int) -> Result:
 
 def _run(kind: str, policies: list[SyncPolicy], rounds: int) -> list[Result]:
     """`scenario` on `WORLD` fresh ranks: what each returned."""
-    return results(launch(scenario, WORLD, (kind, policies, rounds), timeout=120.0))
+    return run_ranks(scenario, WORLD, (kind, policies, rounds), timeout=120.0)
 
 
 def _ms(ranks: list[Result], policy: str) -> list[float]:
@@ -312,7 +314,7 @@ def main() -> None:
         _policies(max(2, args.rounds))
     if args.only != "policies":
         windows = max(1, args.hand_windows)
-        hand = results(launch(against_hand, WORLD, (windows,), timeout=120.0 + 10.0 * windows))
+        hand = run_ranks(against_hand, WORLD, (windows,), timeout=120.0 + 10.0 * windows)
         _report_hand(hand, windows)
 
 

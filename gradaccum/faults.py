@@ -2,9 +2,11 @@
 and a guard that lets a failing forward's collective (FSDP's all-gather, DDP's
 broadcast) be named like a backward's.
 
-A rank whose microstep (or forward) raises writes one line under a key of its group; a
-rank whose collective then fails (the peer exited, or the process group timed out) reads
-it, so its error can name the rank that failed rather than only the broken connection.
+A rank whose microstep (or forward) raises writes one line in the default group's store,
+under one key for the whole job (its tensor-parallel peers are in other data-parallel
+groups, and their collectives fail with it); a rank whose collective then fails (the
+peer exited, or the process group timed out) reads it, so its error can name the rank
+that failed rather than only the broken connection.
 """
 
 from __future__ import annotations
@@ -29,43 +31,43 @@ class Failure(NamedTuple):
     what: str
 
 
-def _store_and_key(group: dist.ProcessGroup | None) -> tuple[Any, str] | None:
-    # torch has no public getter for the store every rank of the default group shares.
+_KEY = "gradaccum/first-failure"
+
+
+def _store() -> Any:
+    """The store every rank of the default group shares, or None (torch has no public
+    getter for it)."""
     get_store = getattr(dist.distributed_c10d, "_get_default_store", None)
     if get_store is None:
         return None
     try:
-        store = get_store()
+        return get_store()
     except (RuntimeError, ValueError):  # no default group, or it was destroyed
         return None
-    name = "default" if group is None else dist.distributed_c10d._get_process_group_name(group)
-    return store, f"gradaccum/first-failure/{name}"
 
 
-def record_failure(group: dist.ProcessGroup | None, failure: Failure) -> None:
+def record_failure(failure: Failure) -> None:
     """Record this rank's ``failure``, unless another rank recorded one first."""
-    found = _store_and_key(group)
-    if found is None:
+    store = _store()
+    if store is None:
         return
-    store, key = found
     line = ":".join(str(int(field)) for field in failure[:3]) + f":{failure.what}"
     try:
         # compare_set writes only where nothing was written: the first failure stays.
-        store.compare_set(key, "", line)
+        store.compare_set(_KEY, "", line)
     except RuntimeError:  # the store went down with the rank that hosted it
         return
 
 
-def first_failure(group: dist.ProcessGroup | None) -> Failure | None:
-    """The failure recorded first in ``group``, if any."""
-    found = _store_and_key(group)
-    if found is None:
+def first_failure() -> Failure | None:
+    """The failure recorded first in the job, if any."""
+    store = _store()
+    if store is None:
         return None
-    store, key = found
     try:
-        if not store.check([key]):
+        if not store.check([_KEY]):
             return None
-        rank, window, applied, what = store.get(key).decode().split(":", 3)
+        rank, window, applied, what = store.get(_KEY).decode().split(":", 3)
     except RuntimeError:
         return None
     return Failure(int(rank), int(window), applied == "1", what)

@@ -69,9 +69,9 @@ class Ranks:
         """Record that this rank failed in ``window`` (numbered from 1, applied or not) with
         ``error``, unless another rank recorded a failure first."""
         what = f"{type(error).__name__}: {error}"
-        faults.record_failure(self.group, faults.Failure(self.rank, window, applied, what))
+        faults.record_failure(faults.Failure(self.rank, window, applied, what))
 
     def first_failure(self) -> faults.Failure | None:
         """Another rank's failure, recorded first; None when it was this one's."""
-        found = faults.first_failure(self.group)
+        found = faults.first_failure()
         return found if found is not None and found.rank != self.rank else None

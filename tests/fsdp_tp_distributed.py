@@ -16,7 +16,7 @@ from torch import nn
 
 import gradaccum
 from gradaccum.sync import full_tensor, strategy_for
-from gradaccum.verify import OpCounter
+from gradaccum.testing import CollectiveCounter
 from tests.helpers import Batch
 
 DP, TP = 2, 2
@@ -47,8 +47,8 @@ def squared_error(model: nn.Module, batch: Batch) -> torch.Tensor:
     return (model(inputs) - targets).square().sum()
 
 
-class GroupCounter(OpCounter):  # type: ignore[misc]
-    """`OpCounter` that also counts each collective by the ranks of its process group."""
+class GroupCounter(CollectiveCounter):  # type: ignore[misc]
+    """`CollectiveCounter` that also counts each collective by the ranks of its group."""
 
     def __init__(self) -> None:
         super().__init__()
