@@ -75,11 +75,12 @@ def test_state_holds_steps_position_global_step_and_policy() -> None:
     parts = build()
     train(parts, epochs=1, stop_after=2)
     assert parts[3].state_dict() == {
-        "version": 3,
+        "version": 4,
         "steps": 4,
         "position": 8,
         "global_step": 2,
         "skipped_steps": 0,
+        "epochs_completed": 0,
         "drop_last": True,
         "sync": "auto",
     }
