@@ -5,7 +5,10 @@ indices, anything else is drawn and dropped; each bit for bit at every window bo
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +20,8 @@ import gradaccum
 from gradaccum import resuming
 from tests import resumes
 from tests.helpers import make_model, mean_loss, sgd
+
+ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 
@@ -428,4 +433,21 @@ def test_the_recipe_is_needed_whole(run: type[resumes.Run]) -> None:
     assert not all(
         torch.equal(p, q)
         for p, q in zip(whole.model.parameters(), resumed.model.parameters(), strict=True)
+    )
+
+
+@pytest.mark.parametrize("loader", ["dataloader", "stateful"])
+def test_the_resume_example_resumes_in_another_process(loader: str) -> None:
+    """examples/resume.py stops a run with dropout and a shuffled loader mid-epoch in one
+    process, resumes it in another, and finds the uninterrupted run's parameters."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "resume.py"), "--loader", loader],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-1] == (
+        "stopped after 21 of 48 optimizer steps; resumed bit for bit: True"
     )
