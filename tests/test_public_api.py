@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import doctest
 import importlib
 import importlib.util
@@ -65,7 +66,18 @@ def test_errors_subclass_the_matching_builtins() -> None:
 
 @pytest.mark.parametrize(
     "module",
-    ["accumulator", "checks", "cli", "errors", "faults", "misuse", "schedule", "sync", "verify"],
+    [
+        "accumulator",
+        "checks",
+        "cli",
+        "errors",
+        "faults",
+        "misuse",
+        "rng",
+        "schedule",
+        "sync",
+        "verify",
+    ],
 )
 def test_docstring_examples_run(module: str) -> None:
     """Every `Example:` in the docstrings is executed and its output checked."""
@@ -73,6 +85,20 @@ def test_docstring_examples_run(module: str) -> None:
     globs = vars(imported) | {"torch": torch}
     failed, _ = doctest.testmod(imported, globs=globs, raise_on_error=False, verbose=False)
     assert failed == 0
+
+
+def test_torchdata_is_never_imported() -> None:
+    """torchdata's StatefulDataLoader is recognised by its methods: no module of gradaccum
+    imports torchdata (a test dependency only)."""
+    for path in sorted((ROOT / "gradaccum").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            assert not [name for name in names if name.split(".")[0] == "torchdata"], path
 
 
 def test_readme_example_runs() -> None:
