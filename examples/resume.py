@@ -116,13 +116,13 @@ def params_of(run: Training) -> list[torch.Tensor]:
     return [param.detach().clone() for param in run.model.parameters()]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--loader", choices=["dataloader", "stateful"], default="dataloader")
     parser.add_argument("--stop-at", type=int, default=21, help="optimizer steps (mid-epoch)")
     parser.add_argument("--part", choices=["first", "rest"], help="run one part of the run")
     parser.add_argument("--dir", type=Path, help="where the parts keep their files")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.part == "first":
         train(build(args.loader), args.stop_at, args.dir / "checkpoint.pt")
         return 0
