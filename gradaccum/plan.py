@@ -34,7 +34,8 @@ class EpochPlan:
         pending: The microbatch handed out last has not reached a microstep yet.
         remaining: How many microbatches follow the one handed out last, when known.
         active: An epoch is being iterated.
-        resume_at: Where the next epoch resumes (set by a load), or None: from its start.
+        resume_at: Where the next epoch resumes (set by a load), or None: from its start;
+            kept by an epoch that stopped before its first hand-out (a refused resume).
         drawn: Microbatches of the current epoch drawn from an iterable that restores its
             own position, which its state saves; None for another iterable.
         epochs_completed: Epochs run to their end (set by a load).
@@ -101,7 +102,6 @@ class EpochPlan:
         if resume is None:
             self.closed_at = 0
         self.cut(steps, self.closed_at)
-        self.resume_at = None
         self.pending = False
         self.remaining = None
         self.drawn = skip if restores_itself else None
@@ -115,7 +115,7 @@ class EpochPlan:
         self.active = False
         if completed:
             self.epochs_completed += 1
-            self.drawn = None
+            self.resume_at = self.drawn = None
             self.pending = False
             self.length = self.trained_end = None
             self.position = self.closed_at = self.cut_at = 0
@@ -141,6 +141,7 @@ class EpochPlan:
     def hand_out(self, remaining: int | None, steps: int, done: int) -> int:
         """One more microbatch reaches the user, ``done`` microsteps into its window, and
         ``remaining`` follow it, when known; return the size of its window."""
+        self.resume_at = None  # the resume is under way (until then a new begin() resumes)
         self.position += 1
         self.pending = True
         self.remaining = remaining

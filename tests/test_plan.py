@@ -505,6 +505,18 @@ class TestEpochPlanBegin:
         )
         assert (plan.active, plan.position, plan.length) == (True, 1, 10)
 
+    def test_a_resume_stopped_before_its_first_hand_out_is_kept(self) -> None:
+        """An epoch that stops before handing anything out (a refused resume) leaves the
+        loaded position for the next begin(); one hand-out ends the resume."""
+        plan = EpochPlan(drop_last=True)
+        plan.load(4, 0)
+        assert plan.begin(13, 4) == 4
+        plan.end(completed=False)
+        assert plan.begin(13, 4) == 4
+        plan.hand_out(8, 4, 0)
+        plan.end(completed=False)
+        assert plan.begin(13, 4) is None
+
     def test_a_load_at_position_0_is_a_resume(self) -> None:
         """load(0, done) (a window saved outside an epoch) resumes: begin() returns 0, not
         None, so the restored window is kept rather than discarded as a stale one."""

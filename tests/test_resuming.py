@@ -178,6 +178,22 @@ class TestStatefulDataLoader:
         assert acc.global_step == 1
         assert all(p.grad is None for p in model.parameters())
 
+    def test_a_refused_resume_can_be_retried(self) -> None:
+        """After a refusal nothing was handed out and the loaded position stays: loading
+        the loader's right state and starting the epoch again resumes it."""
+        acc_state, early = self.checkpoint_at(3, acc_at=4)
+        _, right = self.checkpoint_at(4, acc_at=4)
+        model, _, acc, loader = self.build()
+        acc.load_state_dict(acc_state)
+        loader.load_state_dict(early)
+        with pytest.raises(gradaccum.ConfigError):
+            next(iter(acc.epoch(loader)))
+        assert acc.position == 4
+        loader.load_state_dict(right)
+        step_through(acc, model, loader)
+        assert (acc.global_step, acc.epochs_completed) == (3, 1)
+        assert loader.dataset.loaded == 8 * 4
+
     def test_a_loader_without_its_state_is_refused(self) -> None:
         """Resuming mid-epoch with a loader whose state was not loaded is refused: it would
         train the epoch's first microbatches again."""
