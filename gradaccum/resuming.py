@@ -98,17 +98,21 @@ def _index_skippable(iterable: object) -> DataLoader[Any] | None:
     return None
 
 
+def _parameters() -> set[str]:
+    return set(inspect.signature(DataLoader.__init__).parameters)
+
+
 @functools.cache
 def _knows_every_setting() -> bool:
     """Every parameter of ``DataLoader()`` is passed on or belongs to the batch sampler (a
     newer torch with a setting unknown here draws and drops instead)."""
     known = {"self", "dataset", "persistent_workers", *_SETTINGS, *_IN_THE_BATCH_SAMPLER}
-    return set(inspect.signature(DataLoader.__init__).parameters) <= known
+    return _parameters() <= known
 
 
 def _skipping_loader(loader: DataLoader[T], skip: int) -> DataLoader[T]:
     """A DataLoader like ``loader`` whose batch sampler skips its first ``skip`` batches."""
-    settings = {name: getattr(loader, name) for name in _SETTINGS}
+    settings = {name: getattr(loader, name) for name in _SETTINGS if name in _parameters()}
     batches = _SkipBatches(loader.batch_sampler, skip)  # type: ignore[arg-type]
     return DataLoader(loader.dataset, batch_sampler=batches, **settings)
 
