@@ -11,6 +11,7 @@ from gradaccum.errors import (
     RankFailedError,
     UsageError,
 )
+from gradaccum.rng import random_state, set_random_state
 from gradaccum.schedule import interval, steps_at_epoch, steps_per_epoch, total_steps
 from gradaccum.sync import SyncPolicy, SyncStrategy, no_sync, register_sync_strategy
 
@@ -32,7 +33,9 @@ __all__ = [
     "add_arguments",
     "interval",
     "no_sync",
+    "random_state",
     "register_sync_strategy",
+    "set_random_state",
     "steps_at_epoch",
     "steps_per_epoch",
     "total_steps",

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from typing_extensions import Self
 
-from gradaccum import boundary, checks, faults, misuse, record, stepping
+from gradaccum import boundary, checks, faults, misuse, record, resuming, stepping
 from gradaccum.checks import NonFinitePolicy
 from gradaccum.errors import (
     ConfigError,
@@ -277,6 +277,12 @@ class Accumulator:
         return self._plan.position
 
     @property
+    def epochs_completed(self) -> int:
+        """Epochs that `epoch` ran to their end, saved in `state_dict`: the epoch to resume
+        is ``epochs_completed``, also when a checkpoint fell on an epoch's last window."""
+        return self._plan.epochs_completed
+
+    @property
     def sync_gradients(self) -> bool:
         """True from before the window's last microbatch is handed out until its block exits."""
         return self._window.next_is_boundary
@@ -530,8 +536,12 @@ class Accumulator:
         length yields ``steps_per_epoch(n, steps) * steps`` microbatches; for an
         iterable without ``len`` the trailing partial window's gradient is discarded.
         With ``drop_last=False`` the trailing microbatches form one shorter window.
-        After `load_state_dict` the first epoch skips the microbatches already trained,
-        and cuts the rest into windows with the saved ``steps``.
+        After `load_state_dict` the first epoch resumes after the microbatches already
+        trained, and cuts the rest into windows with the saved ``steps``. An iterable that
+        restores its own position (``state_dict`` and ``load_state_dict``, as torchdata's
+        ``StatefulDataLoader``) resumes by its loaded state instead. A ``DataLoader`` over a
+        map-style dataset skips by its batch sampler's indices, loading no skipped
+        sample; any other iterable is drawn from and the trained microbatches dropped.
 
         The epoch is planned when its iteration starts (the first ``next()``), with the
         ``steps`` set by then, and re-planned from each window's start after a change.
@@ -544,8 +554,9 @@ class Accumulator:
         Raises:
             ConfigTypeError: ``iterable`` is not iterable.
             ConfigError: The epoch has too few microbatches for one optimizer step (for
-                an iterable without ``len`` this is known only at its end), or a loaded
-                position lies past its end; raised by the first ``next()``.
+                an iterable without ``len`` this is known only at its end), a loaded
+                position lies past its end, or an iterable that restores its own position
+                stands elsewhere in its epoch; raised by the first ``next()``.
             UsageError: The accumulator is closed, or another of its epochs is still
                 being iterated (raised by the first ``next()``).
         """
@@ -565,7 +576,8 @@ class Accumulator:
                 "the ranks' epochs have between {least} and {most} microbatches; every "
                 "rank trains on the first {least}",
             )
-        resume = plan.begin(n, self._steps)
+        restores_itself = resuming.restores_own_position(iterable)
+        resume = plan.begin(n, self._steps, restores_itself=restores_itself)
         started_at = self._global_step
         completed = False
         try:
@@ -575,7 +587,9 @@ class Accumulator:
                     "the previous epoch: windows never span epochs"
                 )
                 self._clear_window()
-            iterator = _skipped(iter(iterable), resume or 0)
+            iterator = resuming.resumed(iterable, resume or 0)
+            if restores_itself:
+                iterator = self._counted(iterator)
             if n is not None:
                 yield from self._sized(iterator, n)
             elif self._ranks.count > 1:
@@ -603,8 +617,21 @@ class Accumulator:
         msg = f"the iterable ended after {plan.position} items; its len() promised {n}"
         raise ConfigError(msg)
 
+    def _counted(self, iterator: Iterator[T]) -> Iterator[T]:
+        """``iterator``, counting what is drawn from it in the plan: the position of an
+        iterable that restores its own position, which a checkpoint must match."""
+        for item in iterator:
+            self._plan.draw()
+            yield item
+
     def _look_ahead(self, iterator: Iterator[T]) -> Iterator[T]:
-        """An unsized epoch on one rank: one item ahead, so that the last is known to be last."""
+        """An unsized epoch on one rank; without ``drop_last`` one item ahead, so that the
+        last is known to be last (with it, a trailing window is dropped whatever its size)."""
+        if self._options.drop_last:
+            for item in iterator:
+                self._hand_out(None)
+                yield item
+            return
         held = next(iterator, _END)
         while held is not _END:
             following = next(iterator, _END)
@@ -691,13 +718,16 @@ class Accumulator:
 
         Returns:
             ``steps``, the ``position`` in the current epoch (microbatches trained on),
-            ``global_step``, ``skipped_steps`` and the policy (``drop_last``, ``sync``);
+            ``global_step``, ``skipped_steps``, ``epochs_completed`` and the policy
+            (``drop_last``, ``sync``);
             with ``include_grads`` and an open window, also ``window``. See
             `gradaccum.record.StateDict`.
 
         Raises:
             UsageError: A window is open without ``include_grads``, a microstep block is
-                open, or the wrapping keeps the partial gradient outside ``param.grad``.
+                open, the wrapping keeps the partial gradient outside ``param.grad``, or the
+                epoch's iterable restores its own position and has handed out microbatches
+                not trained on (at the top of the loop body).
         """
         check_bool(include_grads, "include_grads")
         window = self._window
@@ -710,6 +740,7 @@ class Accumulator:
                 "partial window"
             )
             raise UsageError(msg)
+        position = self._plan.checkpoint_position(window.done)
         saved = None
         if window.done:
             self._check_grads_in_params("state_dict(include_grads=True) cannot save")
@@ -725,12 +756,13 @@ class Accumulator:
         return dict(
             record.Checkpoint(
                 steps=self._steps,
-                position=self._plan.checkpoint_position(window.done),
+                position=position,
                 global_step=self._global_step,
                 skipped_steps=self._skipped,
                 drop_last=self._options.drop_last,
                 sync=self._options.sync,
                 window=saved,
+                epochs_completed=self._plan.epochs_completed,
             ).to_dict()
         )
 
@@ -748,10 +780,12 @@ class Accumulator:
     def load_state_dict(
         self, state: Mapping[str, Any], *, allow_steps_change: bool = False
     ) -> None:
-        """Resume from `state_dict`: restores ``global_step`` and where the epoch was.
+        """Resume from `state_dict`: restores ``global_step``, ``epochs_completed`` and
+        where the epoch was.
 
         The next `epoch` skips the ``position`` microbatches already trained on, so pass
-        the same data in the same order, and cuts the rest into windows of ``steps``. A
+        the same data in the same order (an iterable that restores its own position: with
+        its state saved at the same point), and cuts the rest into windows of ``steps``. A
         state with a ``window`` restores its gradients: the next microstep continues
         that window.
 
@@ -790,7 +824,7 @@ class Accumulator:
         self._skipped = saved.skipped_steps
         self._stepper.reread_scheduler()
         done = 0 if saved.window is None else saved.window.microsteps
-        self._plan.load(saved.position, done)
+        self._plan.load(saved.position, done, epochs_completed=saved.epochs_completed)
         self._clear_window()
         if saved.window is not None:
             for param, grad in zip(params, saved.window.grads, strict=True):
@@ -927,22 +961,6 @@ def _rank_failed(me: int, window: int, applied: bool, peer: faults.Failure) -> s
         f"window {window}{ahead}{f' that rank {peer.rank} did not' if ahead else ''}. "
         "Restart every rank from the last checkpoint"
     )
-
-
-def _skipped(iterator: Iterator[T], skip: int) -> Iterator[T]:
-    """``iterator`` after drawing and dropping the ``skip`` microbatches trained already.
-
-    Raises:
-        ConfigError: It ends before.
-    """
-    drawn = sum(1 for _ in itertools.islice(iterator, skip))
-    if drawn < skip:
-        msg = (
-            f"the loaded state resumes at microbatch {skip} of the epoch, but the iterable "
-            f"ended after {drawn}; pass the same data"
-        )
-        raise ConfigError(msg)
-    return iterator
 
 
 def _grad_copy(param: torch.Tensor) -> torch.Tensor | None:

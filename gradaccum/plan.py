@@ -34,14 +34,20 @@ class EpochPlan:
         pending: The microbatch handed out last has not reached a microstep yet.
         remaining: How many microbatches follow the one handed out last, when known.
         active: An epoch is being iterated.
-        resume_at: Where the next epoch resumes (set by a load), or None: from its start.
+        resume_at: Where the next epoch resumes (set by a load), or None: from its start;
+            kept by an epoch that stopped before its first hand-out (a refused resume).
+        drawn: Microbatches of the current epoch drawn from an iterable that restores its
+            own position, which its state saves; None for another iterable.
+        epochs_completed: Epochs run to their end (set by a load).
     """
 
     __slots__ = (
         "active",
         "closed_at",
         "cut_at",
+        "drawn",
         "drop_last",
+        "epochs_completed",
         "length",
         "pending",
         "position",
@@ -59,10 +65,14 @@ class EpochPlan:
         self.remaining: int | None = None
         self.trained_end: int | None = None
         self.active = False
+        self.drawn: int | None = None
+        self.epochs_completed = 0
 
-    def begin(self, length: int | None, steps: int) -> int | None:
+    def begin(self, length: int | None, steps: int, *, restores_itself: bool = False) -> int | None:
         """Start an epoch of ``length`` microbatches (None: unknown); return the loaded
         position it resumes at (the microbatches to skip), or None for a fresh epoch.
+        With ``restores_itself`` the iterable resumes there by itself: the microbatches
+        drawn from it are counted from there.
 
         Raises:
             UsageError: Another epoch of this accumulator is being iterated.
@@ -92,9 +102,9 @@ class EpochPlan:
         if resume is None:
             self.closed_at = 0
         self.cut(steps, self.closed_at)
-        self.resume_at = None
         self.pending = False
         self.remaining = None
+        self.drawn = skip if restores_itself else None
         self.active = True
         return resume
 
@@ -104,6 +114,8 @@ class EpochPlan:
         back-propagated stays uncounted)."""
         self.active = False
         if completed:
+            self.epochs_completed += 1
+            self.resume_at = self.drawn = None
             self.pending = False
             self.length = self.trained_end = None
             self.position = self.closed_at = self.cut_at = 0
@@ -129,6 +141,7 @@ class EpochPlan:
     def hand_out(self, remaining: int | None, steps: int, done: int) -> int:
         """One more microbatch reaches the user, ``done`` microsteps into its window, and
         ``remaining`` follow it, when known; return the size of its window."""
+        self.resume_at = None  # the resume is under way (until then a new begin() resumes)
         self.position += 1
         self.pending = True
         self.remaining = remaining
@@ -154,11 +167,33 @@ class EpochPlan:
         end = self.trained_end
         return self.drop_last and (end is None or self.position > end)
 
+    def draw(self) -> None:
+        """One more microbatch was drawn from an iterable that restores its own position."""
+        if self.drawn is not None:
+            self.drawn += 1
+
     def checkpoint_position(self, window_done: int) -> int:
         """The position a checkpoint saves: the microbatches trained on, those of an open
         window (``window_done`` > 0) included; a microbatch handed out but not yet
-        back-propagated is handed out again after the resume."""
-        return self.position - self.pending if window_done else self.closed_at
+        back-propagated is handed out again after the resume.
+
+        Raises:
+            UsageError: The epoch's iterable restores its own position and has handed out
+                more: its state, saved now, would not hand those out again.
+        """
+        position = self.position - self.pending if window_done else self.closed_at
+        if self.drawn is not None and self.drawn != position:
+            msg = (
+                f"the epoch's iterable restores its own position (it has state_dict and "
+                f"load_state_dict) and has handed out {self.drawn} microbatches of this "
+                f"epoch, but only {position} are trained on: the others were handed out "
+                "before their microstep (at the top of the loop body), drawn ahead to find "
+                "the epoch's end (drop_last=False without len), or in a window that failed. "
+                "Its state would not hand them out again; checkpoint after the `with` block "
+                "of a window's last microstep"
+            )
+            raise UsageError(msg)
+        return position
 
     def close_window(self) -> None:
         """A window closed (applied or skipped): the next starts after its microbatches."""
@@ -171,10 +206,13 @@ class EpochPlan:
         if self.resume_at == 0:
             self.resume_at = None
 
-    def load(self, position: int, window_done: int) -> None:
-        """Resume at ``position`` of an epoch, ``window_done`` microsteps into a window: the
-        next epoch skips that many microbatches (a state at an epoch's start without an
-        open window resumes nothing: the next epoch is a fresh one)."""
+    def load(self, position: int, window_done: int, *, epochs_completed: int = 0) -> None:
+        """Resume at ``position`` of an epoch, ``window_done`` microsteps into a window, after
+        ``epochs_completed`` epochs: the next epoch skips that many microbatches (a state at
+        an epoch's start without an open window resumes nothing: the next epoch is a fresh
+        one)."""
+        self.epochs_completed = epochs_completed
+        self.drawn = None
         self.position = position
         self.resume_at = position if position or window_done else None
         self.closed_at = self.cut_at = max(0, position - window_done)  # (outside an epoch: 0)

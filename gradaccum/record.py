@@ -1,12 +1,13 @@
 """The checkpoint record: the saved format of `Accumulator.state_dict`, its versions, and
 its parsing, validated whole before anything is loaded (no torch: tensors are opaque).
 
-Version 3 (this one): ``position`` is where the next window starts, or with a ``window``
+Version 4 (this one): ``position`` is where the next window starts, or with a ``window``
 the microbatches its saved gradient holds; a microbatch handed out but not yet
 back-propagated is not counted, so the resumed epoch hands it out again. The rest of the
 epoch is cut into windows from ``position`` with the saved ``steps``, which is what the
-uninterrupted run does after a ``steps`` change. Versions 1 and 2 (no ``skipped_steps`` in
-1) load the same way.
+uninterrupted run does after a ``steps`` change. ``epochs_completed`` counts the epochs run
+to their end, so the loop knows which epoch it resumes. Versions 1 to 3 load the same way,
+with no epoch completed (no ``epochs_completed`` before 4, no ``skipped_steps`` in 1).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from gradaccum.schedule import check_bool, check_count, check_steps
 
 __all__ = ["VERSION", "Checkpoint", "SavedWindow", "StateDict", "WindowDict", "parse"]
 
-VERSION = 3
+VERSION = 4
 
 
 class WindowDict(TypedDict):
@@ -46,6 +47,7 @@ class StateDict(TypedDict):
     position: int
     global_step: int
     skipped_steps: int
+    epochs_completed: int
     drop_last: bool
     sync: str
     window: NotRequired[WindowDict]
@@ -80,6 +82,7 @@ class Checkpoint:
     drop_last: bool
     sync: str
     window: SavedWindow | None = None
+    epochs_completed: int = 0
 
     def to_dict(self) -> StateDict:
         state = StateDict(
@@ -88,6 +91,7 @@ class Checkpoint:
             position=self.position,
             global_step=self.global_step,
             skipped_steps=self.skipped_steps,
+            epochs_completed=self.epochs_completed,
             drop_last=self.drop_last,
             sync=self.sync,
         )
@@ -137,7 +141,7 @@ def parse(state: object, is_tensor: Callable[[object], bool]) -> Checkpoint:
         msg = f"state must be a mapping from Accumulator.state_dict(), got {describe(state)}"
         raise ConfigTypeError(msg)
     version = check_count(state.get("version"), "state['version']")
-    if version not in (1, 2, VERSION):
+    if version not in range(1, VERSION + 1):
         msg = (
             f"state['version'] is {version}, but this gradaccum reads versions 1 to "
             f"{VERSION}; load it with the gradaccum that saved it"
@@ -150,6 +154,9 @@ def parse(state: object, is_tensor: Callable[[object], bool]) -> Checkpoint:
     if skipped > global_step:
         msg = f"state['skipped_steps'] is {skipped}, more than its {global_step} windows"
         raise ConfigError(msg)
+    epochs = check_count(
+        state.get("epochs_completed", 0 if version < 4 else None), "state['epochs_completed']"
+    )
     drop_last = check_bool(state.get("drop_last"), "state['drop_last']")
     sync = state.get("sync", "auto")
     if not isinstance(sync, str):
@@ -165,6 +172,7 @@ def parse(state: object, is_tensor: Callable[[object], bool]) -> Checkpoint:
         drop_last=drop_last,
         sync=sync,
         window=window,
+        epochs_completed=epochs,
     )
 
 

@@ -75,6 +75,7 @@ class Saved:
     global_step: int
     skipped_steps: int
     window: tuple[int, int] | None  # (microsteps, size) of a saved open window
+    epochs_completed: int = 0
 
 
 @dataclass
@@ -108,6 +109,7 @@ class Contract:
     restored: bool = False  # the open window was restored by a load
     resumed: bool = False  # the epoch began past its start (after a load)
     started_at: int = 0  # windows closed before the epoch began
+    epochs: int = 0  # epochs that ran out (acc.epochs_completed)
 
     def __post_init__(self) -> None:
         self.size = self.steps
@@ -252,6 +254,7 @@ class Contract:
         self.active = self.pending = False
         self.length = None
         self.handed = self.passed = self.closed_at = self.anchor = 0
+        self.epochs += 1
         return guard, fate
 
     def break_off(self) -> None:
@@ -289,6 +292,7 @@ class Contract:
             global_step=self.windows,
             skipped_steps=self.skipped,
             window=(len(self.window), self.size) if self.window else None,
+            epochs_completed=self.epochs,
         )
 
     def accepts(self, saved: Saved, steps: int, allow: bool) -> bool:
@@ -300,6 +304,7 @@ class Contract:
         window, if saved, is the model's own (the load follows its save at once)."""
         self.steps = steps
         self.windows, self.skipped = saved.global_step, saved.skipped_steps
+        self.epochs = saved.epochs_completed
         done = 0 if saved.window is None else saved.window[0]
         if saved.window is None:
             self.discard()

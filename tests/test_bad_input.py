@@ -192,6 +192,8 @@ CALLS: dict[str, tuple[Callable[..., Any], str]] = {
     "interval": (gradaccum.interval, "interval("),
     "no_sync": (gradaccum.no_sync, "no_sync("),
     "register_sync_strategy": (gradaccum.register_sync_strategy, "register_sync_strategy("),
+    "random_state": (gradaccum.random_state, "random_state("),
+    "set_random_state": (gradaccum.set_random_state, "set_random_state("),
     "steps_at_epoch": (gradaccum.steps_at_epoch, "steps_at_epoch("),
     "steps_per_epoch": (gradaccum.steps_per_epoch, "steps_per_epoch("),
     "total_steps": (gradaccum.total_steps, "total_steps("),

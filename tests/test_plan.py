@@ -505,6 +505,18 @@ class TestEpochPlanBegin:
         )
         assert (plan.active, plan.position, plan.length) == (True, 1, 10)
 
+    def test_a_resume_stopped_before_its_first_hand_out_is_kept(self) -> None:
+        """An epoch that stops before handing anything out (a refused resume) leaves the
+        loaded position for the next begin(); one hand-out ends the resume."""
+        plan = EpochPlan(drop_last=True)
+        plan.load(4, 0)
+        assert plan.begin(13, 4) == 4
+        plan.end(completed=False)
+        assert plan.begin(13, 4) == 4
+        plan.hand_out(8, 4, 0)
+        plan.end(completed=False)
+        assert plan.begin(13, 4) is None
+
     def test_a_load_at_position_0_is_a_resume(self) -> None:
         """load(0, done) (a window saved outside an epoch) resumes: begin() returns 0, not
         None, so the restored window is kept rather than discarded as a stale one."""
@@ -591,3 +603,95 @@ class TestCheckEpochLength:
         with pytest.raises(ConfigError) as caught:
             check_epoch_length(n, 4, True, discarded=True)
         assert str(caught.value).endswith(" (its gradient was discarded)")
+
+
+class TestEpochsCompleted:
+    def test_counts_the_epochs_run_to_their_end(self) -> None:
+        """An epoch that ran out counts; one broken off does not, nor a resumed one before
+        its end; a load sets the count."""
+        plan = EpochPlan(drop_last=True)
+        plan.begin(8, 4)
+        plan.end(completed=True)
+        plan.begin(8, 4)
+        plan.hand_out(7, 4, 0)
+        plan.end(completed=False)
+        assert plan.epochs_completed == 1
+        plan.load(4, 0, epochs_completed=5)
+        assert plan.epochs_completed == 5
+        plan.begin(8, 4)
+        assert plan.epochs_completed == 5
+        plan.end(completed=True)
+        assert plan.epochs_completed == 6
+
+
+class Drawing(Driver):
+    """A `Driver` whose epoch comes from an iterable that restores its own position: each
+    microbatch is drawn from it right before it is handed out."""
+
+    def hand_out(self, remaining: int | None) -> None:
+        self.plan.draw()
+        super().hand_out(remaining)
+
+    def sized_epoch(self, n: int) -> None:
+        plan = self.plan
+        plan.begin(n, self.steps, restores_itself=True)
+        while plan.position < (plan.trained_end or 0):
+            self.loop_body(n - plan.position - 1)
+        self._end()
+
+
+class TestDrawn:
+    @settings(max_examples=300)
+    @given(n=lengths, steps=strategies.steps, changes=changes, drop_last=st.booleans())
+    def test_a_checkpoint_stands_where_the_iterable_does(
+        self, n: int, steps: int, changes: dict[int, tuple[int, bool]], drop_last: bool
+    ) -> None:
+        """Between windows and mid-window, what a checkpoint saves is what was drawn from an
+        iterable that restores its own position; at the top of the loop body one more was
+        drawn, and the checkpoint is refused."""
+        if n == 0 or (drop_last and n < steps):
+            return  # refused by the guard
+        seen: list[tuple[str, int | None, int]] = []
+
+        def hook(driver: Driver, where: str) -> None:
+            drawn = driver.plan.drawn
+            assert drawn is not None
+            try:
+                seen.append((where, driver.plan.checkpoint_position(driver.done), drawn))
+            except UsageError:
+                seen.append((where, None, drawn))
+
+        Drawing(steps, drop_last, changes, hook=hook).sized_epoch(n)
+        for where, position, drawn in seen:
+            assert position == (None if where == "top" else drawn), (where, position, drawn)
+
+    def test_counts_from_the_resumed_position(self) -> None:
+        """A resumed epoch of an iterable that restores itself counts from the loaded
+        position; another iterable counts nothing; the count ends with the epoch."""
+        plan = EpochPlan(drop_last=True)
+        plan.load(4, 0)
+        plan.begin(13, 4, restores_itself=True)
+        assert plan.drawn == 4
+        plan.draw()
+        assert plan.drawn == 5
+        plan.end(completed=True)
+        assert plan.drawn is None
+        plan.begin(13, 4)
+        plan.draw()
+        assert plan.drawn is None
+        assert plan.checkpoint_position(0) == 0
+
+    def test_the_refusal_names_both_counts(self) -> None:
+        """The refusal says how many were drawn and how many are trained on."""
+        plan = EpochPlan(drop_last=True)
+        plan.begin(13, 4, restores_itself=True)
+        for _ in range(5):
+            plan.draw()
+            plan.hand_out(None, 4, 0)
+            plan.pending = False
+        plan.closed_at = 4
+        with pytest.raises(UsageError) as caught:
+            plan.checkpoint_position(0)
+        assert "has handed out 5 microbatches of this epoch, but only 4 are trained on" in str(
+            caught.value
+        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import doctest
 import importlib
 import importlib.util
@@ -36,7 +37,9 @@ def test_exports_are_pinned() -> None:
         "add_arguments",
         "interval",
         "no_sync",
+        "random_state",
         "register_sync_strategy",
+        "set_random_state",
         "steps_at_epoch",
         "steps_per_epoch",
         "total_steps",
@@ -109,7 +112,8 @@ def test_errors_subclass_the_matching_builtins() -> None:
 @pytest.mark.parametrize(
     "module",
     [
-        *("accumulator", "checks", "cli", "errors", "faults", "misuse", "schedule", "sync"),
+        *("accumulator", "checks", "cli", "errors", "faults", "misuse", "rng", "schedule"),
+        "sync",
         *("testing.counting", "testing.equivalence", "testing.ranks", "testing.strategies"),
         "verify",
     ],
@@ -122,6 +126,20 @@ def test_docstring_examples_run(module: str) -> None:
     assert failed == 0
     if module.startswith("testing."):  # each part of gradaccum.testing shows itself
         assert attempted > 0
+
+
+def test_torchdata_is_never_imported() -> None:
+    """torchdata's StatefulDataLoader is recognised by its methods: no module of gradaccum
+    imports torchdata (a test dependency only)."""
+    for path in sorted((ROOT / "gradaccum").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            assert not [name for name in names if name.split(".")[0] == "torchdata"], path
 
 
 def test_readme_example_runs() -> None:

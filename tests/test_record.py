@@ -69,6 +69,7 @@ def checkpoints(draw: st.DrawFn) -> Checkpoint:
         drop_last=draw(st.booleans()),
         sync=draw(st.sampled_from(["auto", "every", "boundary"])),
         window=draw(st.none() | saved_windows()),
+        epochs_completed=draw(counts),
     )
 
 
@@ -80,6 +81,7 @@ def state(**changes: Any) -> dict[str, Any]:
         "position": 8,
         "global_step": 2,
         "skipped_steps": 0,
+        "epochs_completed": 3,
         "drop_last": True,
         "sync": "auto",
     }
@@ -109,21 +111,28 @@ class TestCheckpointToDict:
         assert parse(checkpoint.to_dict(), is_tensor) == checkpoint
 
     def test_the_saved_form(self) -> None:
-        """to_dict() saves version 3 and the fields by name; no ``window`` key between
+        """to_dict() saves version 4 and the fields by name; no ``window`` key between
         windows."""
         saved = Checkpoint(
-            steps=4, position=8, global_step=2, skipped_steps=1, drop_last=True, sync="auto"
+            steps=4,
+            position=8,
+            global_step=2,
+            skipped_steps=1,
+            drop_last=True,
+            sync="auto",
+            epochs_completed=5,
         ).to_dict()
         assert saved == {
-            "version": 3,
+            "version": 4,
             "steps": 4,
             "position": 8,
             "global_step": 2,
             "skipped_steps": 1,
+            "epochs_completed": 5,
             "drop_last": True,
             "sync": "auto",
         }
-        assert VERSION == 3
+        assert VERSION == 4
 
     def test_the_saved_window(self) -> None:
         """A saved window is a plain dict of its fields, in new lists: changing the saved
@@ -158,11 +167,23 @@ class TestCheckpointToDict:
 
 
 class TestParseVersions:
-    @pytest.mark.parametrize("version", [1, 2, 3])
+    @pytest.mark.parametrize("version", [1, 2, 3, 4])
     def test_known_versions_load(self, version: int) -> None:
-        """Versions 1 to 3 are read the same way."""
+        """Versions 1 to 4 are read the same way."""
         parsed = parse(state(version=version), never_tensor)
         assert (parsed.steps, parsed.position, parsed.global_step) == (4, 8, 2)
+
+    @pytest.mark.parametrize("version", [1, 2, 3])
+    def test_before_version_4_no_epoch_is_completed(self, version: int) -> None:
+        """A state saved before version 4 has no ``epochs_completed``: it reads as 0."""
+        parsed = parse(state(version=version, epochs_completed=...), never_tensor)
+        assert parsed.epochs_completed == 0
+
+    def test_version_4_reads_the_epochs_completed(self) -> None:
+        """Version 4 reads ``epochs_completed`` as saved, and requires it."""
+        assert parse(state(epochs_completed=7), never_tensor).epochs_completed == 7
+        with pytest.raises(ConfigTypeError, match=r"state\['epochs_completed'\]"):
+            parse(state(epochs_completed=...), never_tensor)
 
     def test_version_1_has_no_skipped_steps(self) -> None:
         """A version-1 state (no ``skipped_steps``) reads as none skipped."""
@@ -172,13 +193,15 @@ class TestParseVersions:
         """A state without ``sync`` reads as the default policy."""
         assert parse(state(sync=...), never_tensor).sync == "auto"
 
-    @given(version=st.integers(min_value=0, max_value=10**6).filter(lambda v: v not in (1, 2, 3)))
+    @given(
+        version=st.integers(min_value=0, max_value=10**6).filter(lambda v: v not in (1, 2, 3, 4))
+    )
     def test_other_versions_are_refused(self, version: int) -> None:
         """Any other version is refused, saying which versions this gradaccum reads."""
         with pytest.raises(ConfigError) as caught:
             parse(state(version=version), never_tensor)
         assert str(caught.value) == (
-            f"state['version'] is {version}, but this gradaccum reads versions 1 to 3; "
+            f"state['version'] is {version}, but this gradaccum reads versions 1 to 4; "
             "load it with the gradaccum that saved it"
         )
 
@@ -231,6 +254,10 @@ class TestParseFields:
             ("skipped_steps", None, ConfigTypeError),
             ("skipped_steps", -1, ConfigError),
             ("skipped_steps", 0.0, ConfigTypeError),
+            ("epochs_completed", None, ConfigTypeError),
+            ("epochs_completed", -1, ConfigError),
+            ("epochs_completed", 1.0, ConfigTypeError),
+            ("epochs_completed", True, ConfigTypeError),
             ("drop_last", ..., ConfigTypeError),
             ("drop_last", None, ConfigTypeError),
             ("drop_last", 1, ConfigTypeError),

@@ -75,11 +75,12 @@ def test_state_holds_steps_position_global_step_and_policy() -> None:
     parts = build()
     train(parts, epochs=1, stop_after=2)
     assert parts[3].state_dict() == {
-        "version": 3,
+        "version": 4,
         "steps": 4,
         "position": 8,
         "global_step": 2,
         "skipped_steps": 0,
+        "epochs_completed": 0,
         "drop_last": True,
         "sync": "auto",
     }
@@ -163,3 +164,86 @@ def test_resume_past_an_unsized_epoch_is_refused() -> None:
     acc.load_state_dict(parts[3].state_dict())
     with pytest.raises(gradaccum.ConfigError, match=r"microbatch 12.*ended after 5"):
         next(acc.epoch(iter(BATCHES[:5])))
+
+
+def test_epochs_completed_counts_the_epochs_run_to_their_end() -> None:
+    """acc.epochs_completed counts each epoch whose loop ran out, not one broken off; it is
+    saved and loaded, so the resumed loop knows its epoch (a state of version 3 has none)."""
+    parts = build()
+    acc = parts[3]
+    assert acc.epochs_completed == 0
+    train(parts, epochs=2)
+    assert acc.epochs_completed == 2
+    train(parts, epochs=1, stop_after=acc.global_step + 1)  # broken off after a window
+    assert acc.epochs_completed == 2
+    state = acc.state_dict()
+    assert (state["epochs_completed"], state["position"]) == (2, 4)
+    resumed = load(save(parts))
+    assert resumed[3].epochs_completed == 2
+    old = dict(state, version=3)
+    del old["epochs_completed"]
+    resumed[3].load_state_dict(old)
+    assert resumed[3].epochs_completed == 0
+
+
+def test_a_checkpoint_on_an_epochs_last_window_resumes_that_epoch() -> None:
+    """After the last window of an epoch, before its loop ran out, the epoch is not yet
+    completed: the resumed loop restarts that epoch, which ends at once and counts."""
+    parts = build()
+    train(parts, epochs=1, stop_after=3)  # the 3rd and last window of the first epoch
+    assert (parts[3].epochs_completed, parts[3].position) == (0, 12)
+    resumed = load(save(parts))
+    acc = resumed[3]
+    for _ in range(acc.epochs_completed, 1):
+        for batch in acc.epoch(BATCHES):
+            raise AssertionError(f"the epoch handed out {batch} after its last window")
+    assert (acc.epochs_completed, acc.position, acc.global_step) == (1, 0, 3)
+    train(resumed, epochs=1)
+    uninterrupted = build()
+    train(uninterrupted, epochs=2)
+    assert_same_run(uninterrupted, resumed)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_torch_distributed_checkpoint_saves_the_accumulator_as_a_stateful(tmp_path) -> None:
+    """The accumulator is a ``Stateful`` of torch.distributed.checkpoint: saved in one dict
+    with the model's, optimizer's and scheduler's state and loaded back in place, the
+    resumed run is the uninterrupted one, bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    def build_for_dcp():
+        model = make_model(dtype=torch.float32)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        # get_state_dict steps a fresh optimizer once (zero gradients, lr 0) to create its
+        # state: before the accumulator owns the optimizer, which warns about such steps.
+        get_state_dict(model, optimizer)
+        scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.1, total_iters=6)
+        acc = gradaccum.Accumulator(model, optimizer, scheduler, steps=4, max_grad_norm=1.0)
+        return model, optimizer, scheduler, acc
+
+    def checkpoint(parts) -> dict[str, Any]:
+        model, optimizer, scheduler, acc = parts
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        return {"model": model_state, "optim": optimizer_state, "sched": scheduler, "acc": acc}
+
+    uninterrupted = build_for_dcp()
+    train(uninterrupted, epochs=2)
+    first = build_for_dcp()
+    assert isinstance(first[3], Stateful)
+    train(first, epochs=2, stop_after=5)
+    dcp.save(checkpoint(first), checkpoint_id=tmp_path)
+    resumed = build_for_dcp()
+    state = checkpoint(resumed)
+    dcp.load(state, checkpoint_id=tmp_path)  # loads "sched" and "acc" through load_state_dict
+    set_state_dict(
+        resumed[0], resumed[1], model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    model, _, _, acc = resumed
+    assert acc.state_dict() == first[3].state_dict()
+    for _ in range(acc.epochs_completed, 2):
+        for batch in acc.epoch(BATCHES):
+            with acc.microstep(mean_loss(model, batch)):
+                pass
+    assert_same_run(uninterrupted, resumed)

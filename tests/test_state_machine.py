@@ -454,13 +454,22 @@ class AccumulatorMachine(RuleBasedStateMachine):
         before = state_of(self.acc, self.params())
         state = self.acc.state_dict(include_grads=include_grads)
         assert state_of(self.acc, self.params()) == before
-        fields = ("version", "steps", "position", "global_step", "skipped_steps", "drop_last")
+        fields = (
+            "version",
+            "steps",
+            "position",
+            "global_step",
+            "skipped_steps",
+            "epochs_completed",
+            "drop_last",
+        )
         assert tuple(state[name] for name in fields) == (
-            3,
+            4,
             saved.steps,
             saved.position,
             saved.global_step,
             saved.skipped_steps,
+            saved.epochs_completed,
             contract.drop_last,
         )
         window = state.get("window")
@@ -697,6 +706,7 @@ class AccumulatorMachine(RuleBasedStateMachine):
         contract = self.contract
         self.check_window()
         assert self.acc.skipped_steps == contract.skipped
+        assert self.acc.epochs_completed == contract.epochs
         assert self.optimizer_steps == contract.windows - contract.skipped
         assert self.scheduler.last_epoch == contract.windows - contract.skipped
         assert self.acc.steps == contract.steps

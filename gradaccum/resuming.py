@@ -1,0 +1,151 @@
+"""How an epoch's iterable resumes at a loaded position: by itself, by skipping its batch
+sampler's indices, or by drawing and dropping what was trained on already.
+
+- An iterable that saves and restores its own position (``state_dict`` and
+  ``load_state_dict``: torchdata's ``StatefulDataLoader``, the ``Stateful`` protocol of
+  ``torch.distributed.checkpoint``) is not skipped for: its loaded state resumes it. Where
+  its iterator reports how far into the epoch it stands (a DataLoader iterator's count of
+  batches yielded), that must be the accumulator's position.
+- A ``torch.utils.data.DataLoader`` over a map-style dataset skips at the index level: its
+  batch sampler's first batches are drawn as indices and dropped, and the rest are loaded
+  by a DataLoader with the same settings, so no skipped sample is loaded.
+- Any other iterable is drawn from and the microbatches trained on already are dropped.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+from collections.abc import Iterable, Iterator, Sized
+from typing import Any, TypeVar
+
+from torch.utils.data import DataLoader, IterableDataset
+
+from gradaccum.errors import ConfigError
+
+__all__ = ["restores_own_position", "resumed"]
+
+T = TypeVar("T")
+
+# The DataLoader settings that the index-level skip passes on as they are. The others are
+# the batch sampler's (which it wraps) or the loader's own lifetime (persistent_workers:
+# the skipping loader lives for one epoch).
+_SETTINGS = (
+    "num_workers",
+    "collate_fn",
+    "pin_memory",
+    "timeout",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "generator",
+    "prefetch_factor",
+    "pin_memory_device",
+    "in_order",
+)
+_IN_THE_BATCH_SAMPLER = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last")
+
+
+def restores_own_position(iterable: object) -> bool:
+    """The iterable saves and restores its own position in the epoch, so the accumulator
+    does not skip for it: it has ``state_dict`` and ``load_state_dict`` methods."""
+    return callable(getattr(iterable, "state_dict", None)) and callable(
+        getattr(iterable, "load_state_dict", None)
+    )
+
+
+def resumed(iterable: Iterable[T], skip: int) -> Iterator[T]:
+    """An iterator over ``iterable``'s epoch from microbatch ``skip`` on.
+
+    Raises:
+        ConfigError: ``iterable`` restores its own position and its iterator stands
+            elsewhere, or it ends before ``skip`` (drawn and dropped).
+    """
+    if restores_own_position(iterable):
+        iterator = iter(iterable)
+        _check_stands_at(iterator, skip)
+        return iterator
+    loader = _index_skippable(iterable) if skip else None
+    if loader is not None:
+        return iter(_skipping_loader(loader, skip))
+    return _drawn_and_dropped(iter(iterable), skip)
+
+
+def _check_stands_at(iterator: Iterator[Any], skip: int) -> None:
+    """Refuse an iterator whose own count of microbatches yielded (a DataLoader iterator's
+    ``_num_yielded``, which torchdata's restores) is not the accumulator's position."""
+    yielded = getattr(iterator, "_num_yielded", None)
+    if type(yielded) is int and yielded != skip:
+        msg = (
+            f"the epoch's iterable restores its own position and stands at microbatch "
+            f"{yielded} of its epoch, but the accumulator resumes at microbatch {skip}; "
+            "load the iterable's state_dict() saved at the same point as the accumulator's "
+            "(after the `with` block of a window's last microstep, or between epochs)"
+        )
+        raise ConfigError(msg)
+
+
+def _index_skippable(iterable: object) -> DataLoader[Any] | None:
+    """``iterable`` if it is a plain DataLoader whose batches come from a batch sampler
+    over a map-style dataset, and this torch's DataLoader takes no setting unknown here."""
+    if (
+        type(iterable) is DataLoader
+        and iterable.batch_sampler is not None
+        and not isinstance(iterable.dataset, IterableDataset)
+        and _knows_every_setting()
+    ):
+        return iterable
+    return None
+
+
+def _parameters() -> set[str]:
+    return set(inspect.signature(DataLoader.__init__).parameters)
+
+
+@functools.cache
+def _knows_every_setting() -> bool:
+    """Every parameter of ``DataLoader()`` is passed on or belongs to the batch sampler (a
+    newer torch with a setting unknown here draws and drops instead)."""
+    known = {"self", "dataset", "persistent_workers", *_SETTINGS, *_IN_THE_BATCH_SAMPLER}
+    return _parameters() <= known
+
+
+def _skipping_loader(loader: DataLoader[T], skip: int) -> DataLoader[T]:
+    """A DataLoader like ``loader`` whose batch sampler skips its first ``skip`` batches."""
+    settings = {name: getattr(loader, name) for name in _SETTINGS if name in _parameters()}
+    batches = _SkipBatches(loader.batch_sampler, skip)  # type: ignore[arg-type]
+    return DataLoader(loader.dataset, batch_sampler=batches, **settings)
+
+
+class _SkipBatches:
+    """A batch sampler's batches after its first ``skip``: their indices are drawn, so the
+    order is that of the whole epoch (the same shuffle), but no sample is loaded."""
+
+    def __init__(self, batches: Iterable[list[int]], skip: int) -> None:
+        self.batches = batches
+        self.skip = skip
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return itertools.islice(iter(self.batches), self.skip, None)
+
+    def __len__(self) -> int:
+        if not isinstance(self.batches, Sized):
+            msg = f"the batch sampler {type(self.batches).__name__} has no len()"
+            raise TypeError(msg)
+        return max(0, len(self.batches) - self.skip)
+
+
+def _drawn_and_dropped(iterator: Iterator[T], skip: int) -> Iterator[T]:
+    """``iterator`` after drawing and dropping the ``skip`` microbatches trained already.
+
+    Raises:
+        ConfigError: It ends before.
+    """
+    drawn = sum(1 for _ in itertools.islice(iterator, skip))
+    if drawn < skip:
+        msg = (
+            f"the loaded state resumes at microbatch {skip} of the epoch, but the iterable "
+            f"ended after {drawn}; pass the same data"
+        )
+        raise ConfigError(msg)
+    return iterator

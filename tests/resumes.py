@@ -1,0 +1,192 @@
+"""Two-epoch runs resumed at every window boundary, for three kinds of loader: what
+tests/test_resuming.py runs on one process and tests/test_resuming_distributed.py on gloo
+ranks (a module the ranks can import).
+
+The model has dropout and the loader shuffles, so a resume is bit for bit only when the
+random state, the loader's order and the epoch are all restored: the guide's recipe,
+followed here to the letter. The uninterrupted run saves a checkpoint (serialized, as a
+file would hold it) after every window's block and after every epoch; each is loaded into
+fresh objects that finish the run, and the final parameters must be equal.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import gradaccum
+
+SEED = 1234
+STEPS = 4
+BATCH = 4
+MICROBATCHES = 13  # per rank and epoch: 3 windows of 4, and a 13th that is dropped
+EPOCHS = 2
+KINDS = ("dataloader", "stateful", "generator")
+
+
+def dataset(world: int) -> TensorDataset:
+    generator = torch.Generator().manual_seed(7)
+    n = BATCH * MICROBATCHES * world
+    return TensorDataset(
+        torch.randn(n, 5, generator=generator), torch.randn(n, 1, generator=generator)
+    )
+
+
+def batches_of(loader: Iterable[Any]) -> Iterator[Any]:
+    """The loader's batches through a plain generator: no len, no state, no sampler."""
+    yield from loader
+
+
+class Run:
+    """The parts of one training run, built afresh for every resume.
+
+    ``kind``: ``"dataloader"`` (a shuffled DataLoader: index-level skip), ``"stateful"``
+    (torchdata's StatefulDataLoader, shuffled, two workers: restores itself) or
+    ``"generator"`` (a generator over the DataLoader's batches: drawn and dropped). On
+    several ranks the order comes from a DistributedSampler instead of ``shuffle``.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        rank: int = 0,
+        world: int = 1,
+        wrap: Callable[[nn.Module], nn.Module] | None = None,
+    ) -> None:
+        self.kind = kind
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 16), nn.Dropout(0.25), nn.Tanh(), nn.Linear(16, 1))
+        self.model = model if wrap is None else wrap(model)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.scheduler = torch.optim.lr_scheduler.LinearLR(self.optimizer, 1.0, 0.1, total_iters=6)
+        self.acc = gradaccum.Accumulator(
+            self.model, self.optimizer, self.scheduler, steps=STEPS, max_grad_norm=1.0
+        )
+        data = dataset(world)
+        self.generator = torch.Generator()  # seeded at every epoch's start
+        self.sampler = (
+            DistributedSampler(data, world, rank, shuffle=True, seed=SEED) if world > 1 else None
+        )
+        options: dict[str, Any] = {
+            "batch_size": BATCH,
+            "shuffle": self.sampler is None,
+            "sampler": self.sampler,
+            "generator": self.generator,
+        }
+        if kind == "stateful":
+            from torchdata.stateful_dataloader import StatefulDataLoader
+
+            # The gloo ranks are started by a forkserver, whose start method their workers
+            # would inherit; forking them is what a torchrun script's DataLoader does.
+            context = "fork" if world > 1 else None
+            self.loader: Any = StatefulDataLoader(
+                data, num_workers=2, multiprocessing_context=context, **options
+            )
+        else:
+            self.loader = DataLoader(data, **options)
+
+    def iterable(self, epoch: int) -> Iterable[Any]:
+        """The loader, set up for ``epoch``: its order depends on the epoch only."""
+        self.generator.manual_seed(SEED + epoch)
+        if self.sampler is not None:
+            self.sampler.set_epoch(epoch)
+        return batches_of(self.loader) if self.kind == "generator" else self.loader
+
+    def save(self) -> bytes:
+        """Everything a resume needs, as the guide's checkpoint saves it."""
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "acc": self.acc.state_dict(),
+            "random": gradaccum.random_state(),
+        }
+        if self.kind == "stateful":
+            state["loader"] = self.loader.state_dict()
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        return buffer.getvalue()
+
+    def load(self, blob: bytes) -> Run:
+        """Load ``blob`` from `save`; the random state last, right before the loop."""
+        state = torch.load(io.BytesIO(blob))
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.acc.load_state_dict(state["acc"])
+        if self.kind == "stateful" and self.acc.position:  # mid-epoch only
+            self.loader.load_state_dict(state["loader"])
+        gradaccum.set_random_state(state["random"])
+        return self
+
+
+def train(run: Run, checkpoint: Callable[[Run], None] | None = None) -> Run:
+    """The guide's loop, from the epoch the accumulator says; ``checkpoint`` after every
+    window's block and every epoch."""
+    for epoch in range(run.acc.epochs_completed, EPOCHS):
+        for x, y in run.acc.epoch(run.iterable(epoch)):
+            loss = (run.model(x) - y).square().mean()
+            with run.acc.microstep(loss) as step:
+                pass
+            if step.boundary and checkpoint is not None:
+                checkpoint(run)
+        if checkpoint is not None:
+            checkpoint(run)
+    return run
+
+
+def resumed_everywhere(
+    kind: str,
+    rank: int = 0,
+    world: int = 1,
+    wrap: Callable[[nn.Module], nn.Module] | None = None,
+    params: Callable[[nn.Module], list[torch.Tensor]] | None = None,
+) -> dict[str, bool]:
+    """For every checkpoint of an uninterrupted run (``"step 3"``, ``"epoch 1"``): does
+    the run resumed from it end bit for bit where the uninterrupted one did?"""
+    saves: list[tuple[str, bytes]] = []
+
+    def checkpoint(run: Run) -> None:
+        acc = run.acc
+        where = f"step {acc.global_step}" if acc.position else f"epoch {acc.epochs_completed}"
+        saves.append((where, run.save()))
+
+    whole = train(Run(kind, rank, world, wrap), checkpoint)
+    read = params or (lambda model: [p.detach() for p in model.parameters()])
+    expected = read(whole.model)
+    whole.acc.close()
+    outcome = {}
+    for where, blob in saves:
+        resumed = train(Run(kind, rank, world, wrap).load(blob))
+        got = read(resumed.model)
+        outcome[where] = (
+            all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+            and resumed.acc.global_step == whole.acc.global_step == 3 * EPOCHS
+            and resumed.acc.epochs_completed == EPOCHS
+        )
+        resumed.acc.close()
+    return outcome
+
+
+def resumed_everywhere_on_ranks(rank: int, world: int) -> dict[str, dict[str, bool]]:
+    """`resumed_everywhere` for every kind under DDP, and for the StatefulDataLoader
+    under ``fully_shard``, in one launch."""
+    from tests.distributed import full_params, wrap
+
+    outcome = {
+        kind: resumed_everywhere(kind, rank, world, lambda model: wrap("ddp", model))
+        for kind in KINDS
+    }
+    outcome["stateful under fully_shard"] = resumed_everywhere(
+        "stateful",
+        rank,
+        world,
+        lambda model: wrap("fully_shard", model),
+        lambda model: full_params(model, "fully_shard"),
+    )
+    return outcome

@@ -1,0 +1,496 @@
+"""Resuming an epoch (gradaccum/resuming.py and the accumulator's epoch): an iterable that
+restores its own position is not skipped for, a DataLoader skips by its batch sampler's
+indices, anything else is drawn and dropped; each bit for bit at every window boundary."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+import gradaccum
+from gradaccum import resuming
+from tests import resumes
+from tests.helpers import make_model, mean_loss, sgd
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+
+
+class Counting(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """``n`` samples of a regression problem; counts the samples loaded."""
+
+    def __init__(self, n: int) -> None:
+        generator = torch.Generator().manual_seed(3)
+        self.x = torch.randn(n, 5, generator=generator, dtype=torch.float64)
+        self.y = torch.randn(n, 1, generator=generator, dtype=torch.float64)
+        self.loaded = 0
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.loaded += 1
+        return self.x[index], self.y[index]
+
+
+class Positions:
+    """An iterable without len that saves and restores its own position, as the
+    ``Stateful`` protocol of torch.distributed.checkpoint has it."""
+
+    def __init__(self, batches: list[Any]) -> None:
+        self.batches = batches
+        self.start = self.at = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        self.at, self.start = self.start, 0
+        while self.at < len(self.batches):
+            self.at += 1
+            yield self.batches[self.at - 1]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"at": self.at}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.start = state["at"]
+
+
+def saved(value: Any) -> Any:
+    """``value`` through torch.save and torch.load, as a checkpoint file holds it."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return torch.load(io.BytesIO(buffer.getvalue()))
+
+
+def step_through(acc: gradaccum.Accumulator, model: torch.nn.Module, iterable: Any) -> None:
+    for batch in acc.epoch(iterable):
+        with acc.microstep(mean_loss(model, batch)):
+            pass
+
+
+class TestRestoresOwnPosition:
+    def test_what_restores_its_own_position(self) -> None:
+        """State_dict and load_state_dict both make an iterable restore itself; a plain
+        DataLoader, a list, or only one of the two methods do not."""
+        data = TensorDataset(torch.zeros(4, 1))
+        assert resuming.restores_own_position(StatefulDataLoader(data))
+        assert resuming.restores_own_position(Positions([]))
+        assert not resuming.restores_own_position(DataLoader(data))
+        assert not resuming.restores_own_position([1, 2])
+
+        class OnlySaves:
+            def state_dict(self) -> dict[str, int]:
+                return {}
+
+        assert not resuming.restores_own_position(OnlySaves())
+
+
+class TestStatefulDataLoader:
+    def build(self) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any, Any]:
+        model = make_model()
+        optimizer = sgd(model)
+        acc = gradaccum.Accumulator(model, optimizer, steps=4)
+        data = Counting(52)
+        loader = StatefulDataLoader(
+            data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(5)
+        )
+        return model, optimizer, acc, loader
+
+    def test_it_is_not_skipped_twice(self) -> None:
+        """The issue's case: 52 samples in batches of 4, steps=4, a checkpoint of the
+        loader and the accumulator at the 4th optimizer step (4 microbatches into the
+        second epoch). The resumed epoch trains the loader's last 8 microbatches, as the
+        uninterrupted run does (before: the 4 were skipped again, and the epoch ended
+        after 9 of 13 with a ConfigError)."""
+        model, _, acc, loader = self.build()
+        checkpoint = None
+        for _ in range(2):
+            for batch in acc.epoch(loader):
+                with acc.microstep(mean_loss(model, batch)):
+                    pass
+                if acc.global_step == 4 and checkpoint is None:
+                    checkpoint = saved(
+                        {
+                            "model": model.state_dict(),
+                            "acc": acc.state_dict(),
+                            "loader": loader.state_dict(),
+                        }
+                    )
+        assert checkpoint is not None
+        assert checkpoint["acc"]["position"] == 4
+        resumed, _, again, restored = self.build()
+        resumed.load_state_dict(checkpoint["model"])
+        again.load_state_dict(checkpoint["acc"])
+        restored.load_state_dict(checkpoint["loader"])
+        step_through(again, resumed, restored)
+        assert again.global_step == acc.global_step == 6
+        assert all(
+            torch.equal(p, q) for p, q in zip(model.parameters(), resumed.parameters(), strict=True)
+        )
+        assert restored.dataset.loaded == 8 * 4  # the loader loaded only what was trained on
+        assert checkpoint["acc"]["epochs_completed"] == 1
+        assert again.epochs_completed == acc.epochs_completed == 2
+
+    def checkpoint_at(self, handed_out: int, acc_at: int) -> tuple[Any, Any]:
+        """The accumulator's state after ``acc_at`` microsteps (at a window's end), and
+        the loader's after it had handed out ``handed_out`` microbatches."""
+        model, _, acc, loader = self.build()
+        acc_state = loader_state = None
+        for index, batch in enumerate(acc.epoch(loader), 1):
+            if index == handed_out:
+                loader_state = saved(loader.state_dict())
+            with acc.microstep(mean_loss(model, batch)):
+                pass
+            if index == acc_at:
+                acc_state = saved(acc.state_dict())
+            if index == max(handed_out, acc_at):
+                break
+        return acc_state, loader_state
+
+    @pytest.mark.parametrize(("handed_out", "stands_at"), [(5, 5), (3, 3)])
+    def test_a_loader_state_one_microbatch_apart_is_refused(
+        self, handed_out: int, stands_at: int
+    ) -> None:
+        """A loader state taken one microbatch after or before the accumulator's is
+        refused at the resumed epoch's first next(), before any microbatch is handed out."""
+        acc_state, loader_state = self.checkpoint_at(handed_out, acc_at=4)
+        model, _, acc, loader = self.build()
+        acc.load_state_dict(acc_state)
+        loader.load_state_dict(loader_state)
+        with pytest.raises(gradaccum.ConfigError) as caught:
+            next(iter(acc.epoch(loader)))
+        assert str(caught.value) == (
+            f"the epoch's iterable restores its own position and stands at microbatch "
+            f"{stands_at} of its epoch, but the accumulator resumes at microbatch 4; load the "
+            "iterable's state_dict() saved at the same point as the accumulator's (after the "
+            "`with` block of a window's last microstep, or between epochs)"
+        )
+        assert acc.global_step == 1
+        assert all(p.grad is None for p in model.parameters())
+
+    def test_a_refused_resume_can_be_retried(self) -> None:
+        """After a refusal nothing was handed out and the loaded position stays: loading
+        the loader's right state and starting the epoch again resumes it."""
+        acc_state, early = self.checkpoint_at(3, acc_at=4)
+        _, right = self.checkpoint_at(4, acc_at=4)
+        model, _, acc, loader = self.build()
+        acc.load_state_dict(acc_state)
+        loader.load_state_dict(early)
+        with pytest.raises(gradaccum.ConfigError):
+            next(iter(acc.epoch(loader)))
+        assert acc.position == 4
+        loader.load_state_dict(right)
+        step_through(acc, model, loader)
+        assert (acc.global_step, acc.epochs_completed) == (3, 1)
+        assert loader.dataset.loaded == 8 * 4
+
+    def test_a_loader_without_its_state_is_refused(self) -> None:
+        """Resuming mid-epoch with a loader whose state was not loaded is refused: it would
+        train the epoch's first microbatches again."""
+        acc_state, _ = self.checkpoint_at(4, acc_at=4)
+        _, _, acc, loader = self.build()
+        acc.load_state_dict(acc_state)
+        with pytest.raises(gradaccum.ConfigError, match="stands at microbatch 0 of its epoch"):
+            next(iter(acc.epoch(loader)))
+
+    def test_a_loader_state_from_the_end_of_an_epoch_is_refused(self) -> None:
+        """The accumulator stops an epoch at its last trained microbatch, so the loader's
+        state after it still stands in that epoch: loaded with a state from between epochs
+        (position 0), it is refused (the guide loads the loader's state mid-epoch only)."""
+        model, _, acc, loader = self.build()
+        step_through(acc, model, loader)
+        state = saved({"acc": acc.state_dict(), "loader": loader.state_dict()})
+        assert (state["acc"]["position"], state["acc"]["epochs_completed"]) == (0, 1)
+        _, _, again, restored = self.build()
+        again.load_state_dict(state["acc"])
+        restored.load_state_dict(state["loader"])
+        with pytest.raises(gradaccum.ConfigError, match="stands at microbatch 12 of its epoch"):
+            next(iter(again.epoch(restored)))
+
+    def test_a_checkpoint_at_the_top_of_the_loop_body_is_refused(self) -> None:
+        """At the top of the loop body the loader has handed out a microbatch that no
+        microstep used: its state would not hand it out again, so state_dict() refuses."""
+        model, _, acc, loader = self.build()
+        for index, batch in enumerate(acc.epoch(loader)):
+            if index == 4:
+                with pytest.raises(gradaccum.UsageError) as caught:
+                    acc.state_dict()
+                break
+            with acc.microstep(mean_loss(model, batch)):
+                pass
+        assert str(caught.value).startswith(
+            "the epoch's iterable restores its own position (it has state_dict and "
+            "load_state_dict) and has handed out 5 microbatches of this epoch, but only 4 "
+            "are trained on"
+        )
+        assert "checkpoint after the `with` block of a window's last microstep" in str(caught.value)
+
+
+class TestUnsizedSelfRestoring:
+    def test_resumes_between_windows_with_drop_last(self) -> None:
+        """An iterable without len that restores its own position resumes bit for bit
+        from a checkpoint between windows: with drop_last nothing is drawn ahead."""
+        batches = resumes_batches()
+        model, acc = fresh(drop_last=True)
+        checkpoint = None
+        for batch in acc.epoch(positions := Positions(batches)):
+            with acc.microstep(mean_loss(model, batch)):
+                pass
+            if acc.global_step == 1 and checkpoint is None:
+                checkpoint = saved(
+                    {
+                        "model": model.state_dict(),
+                        "acc": acc.state_dict(),
+                        "data": positions.state_dict(),
+                    }
+                )
+        assert checkpoint is not None
+        resumed, again = fresh(drop_last=True)
+        resumed.load_state_dict(checkpoint["model"])
+        again.load_state_dict(checkpoint["acc"])
+        restored = Positions(batches)
+        restored.load_state_dict(checkpoint["data"])
+        step_through(again, resumed, restored)
+        assert again.global_step == acc.global_step == 3
+        assert all(
+            torch.equal(p, q) for p, q in zip(model.parameters(), resumed.parameters(), strict=True)
+        )
+
+    def test_drawn_ahead_without_drop_last_is_refused(self) -> None:
+        """With drop_last=False an epoch without len is drawn one microbatch ahead to find
+        its last: a checkpoint between windows is refused, saying why."""
+        model, acc = fresh(drop_last=False)
+        for batch in acc.epoch(Positions(resumes_batches())):
+            with acc.microstep(mean_loss(model, batch)):
+                pass
+            if acc.global_step == 1:
+                with pytest.raises(
+                    gradaccum.UsageError, match=r"drawn ahead to find the epoch's end"
+                ):
+                    acc.state_dict()
+                break
+
+
+def resumes_batches() -> list[Any]:
+    data = Counting(13 * 2)
+    return [(data.x[i : i + 2], data.y[i : i + 2]) for i in range(0, 26, 2)]
+
+
+def fresh(drop_last: bool) -> tuple[torch.nn.Module, gradaccum.Accumulator]:
+    model = make_model()
+    return model, gradaccum.Accumulator(model, sgd(model), steps=4, drop_last=drop_last)
+
+
+def collate_with_worker(samples: list[Any]) -> dict[str, Any]:
+    """Batches that say which worker loaded them, and that its init function ran."""
+    info = torch.utils.data.get_worker_info()
+    return {
+        "x": torch.stack([x for x, _ in samples]),
+        "worker": -1 if info is None else info.id,
+        "initialized": getattr(info.dataset, "initialized", False) if info is not None else False,
+    }
+
+
+def mark_initialized(worker_id: int) -> None:
+    torch.utils.data.get_worker_info().dataset.initialized = True  # type: ignore[union-attr]
+
+
+class TestIndexLevelSkip:
+    def loader(self, data: Dataset[Any], **options: Any) -> DataLoader[Any]:
+        return DataLoader(
+            data, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(11), **options
+        )
+
+    def resumed_at(self, position: int, iterable: Any, steps: int = 4) -> list[Any]:
+        """What the resumed epoch hands out after a state saved at ``position``."""
+        model = make_model()
+        acc = gradaccum.Accumulator(model, sgd(model), steps=steps)
+        acc.load_state_dict(
+            {
+                "version": 4,
+                "steps": steps,
+                "position": position,
+                "global_step": position // steps,
+                "skipped_steps": 0,
+                "epochs_completed": 0,
+                "drop_last": True,
+                "sync": "auto",
+            }
+        )
+        return list(acc.epoch(iterable))
+
+    def test_only_the_trained_samples_are_loaded(self) -> None:
+        """Resuming at microbatch 40 of 48 (batches of 8) loads the 64 samples trained on,
+        the same batches as the uninterrupted epoch's last 8; drawing and dropping (a
+        generator over the same loader) loads 384."""
+        data = Counting(48 * 8)
+        whole = [x for x, _ in self.loader(data)]
+        data.loaded = 0
+        got = self.resumed_at(40, self.loader(data))
+        assert data.loaded == 8 * 8
+        assert all(torch.equal(x, want) for (x, _), want in zip(got, whole[40:], strict=True))
+        data.loaded = 0
+        self.resumed_at(40, (batch for batch in self.loader(data)))
+        assert data.loaded == 48 * 8
+
+    def test_the_loader_settings_carry_over(self) -> None:
+        """The skipping loader has the loader's collate_fn, workers, worker_init_fn and
+        generator, and its batch sampler's drop_last: the same batches as the tail of
+        the uninterrupted epoch, loaded by initialized workers."""
+        data = Counting(8 * 12 + 5)  # the batch sampler drops the last 5 samples
+        options = {
+            "collate_fn": collate_with_worker,
+            "num_workers": 2,
+            "worker_init_fn": mark_initialized,
+            "drop_last": True,
+        }
+        whole = list(self.loader(data, **options))
+        assert len(whole) == 12
+        got = self.resumed_at(8, self.loader(data, **options))
+        assert [batch["worker"] for batch in got] == [0, 1, 0, 1]
+        assert all(batch["initialized"] for batch in got)
+        assert all(torch.equal(a["x"], b["x"]) for a, b in zip(got, whole[8:], strict=True))
+
+    @pytest.mark.parametrize("kind", ["subclass", "iterable dataset", "no batch sampler"])
+    def test_other_loaders_are_drawn_and_dropped(self, kind: str) -> None:
+        """A DataLoader subclass (its own __init__ may differ), one over an IterableDataset,
+        and one without a batch sampler (batch_size=None) are drawn and dropped."""
+        data = Counting(6 * 4)
+
+        class Streamed(IterableDataset[Any]):
+            def __iter__(self) -> Iterator[Any]:
+                return (data[i] for i in range(len(data)))
+
+        class Subclass(DataLoader[Any]):
+            pass
+
+        if kind == "subclass":
+            loader: DataLoader[Any] = Subclass(data, batch_size=4)
+        elif kind == "iterable dataset":
+            loader = DataLoader(Streamed(), batch_size=4)
+        else:
+            loader = DataLoader(data, batch_size=None)
+        assert resuming._index_skippable(loader) is None
+        self.resumed_at(4, loader, steps=2)
+        assert data.loaded == len(data)
+
+    def test_a_dataloader_with_an_unknown_setting_is_drawn_and_dropped(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Index-level skip rebuilds the loader from the settings it knows; a DataLoader
+        with a parameter it does not know (a newer torch) is drawn and dropped instead."""
+        assert resuming._knows_every_setting()
+
+        class Newer(DataLoader[Any]):
+            def __init__(self, dataset: Any, *, prefetch_to: str = "", **options: Any) -> None:
+                super().__init__(dataset, **options)
+
+        monkeypatch.setattr(resuming, "DataLoader", Newer)
+        assert not resuming._knows_every_setting.__wrapped__()
+
+
+@pytest.mark.parametrize("kind", resumes.KINDS)
+def test_resume_at_every_window_boundary_is_bit_for_bit(kind: str) -> None:
+    """Two epochs with dropout and a shuffled loader, checkpointed after every window
+    and every epoch, each resumed in fresh objects by the guide's recipe: every resumed
+    run ends with the uninterrupted run's parameters (torch.equal)."""
+    outcome = resumes.resumed_everywhere(kind)
+    assert list(outcome) == [
+        "step 1",
+        "step 2",
+        "step 3",
+        "epoch 1",
+        "step 4",
+        "step 5",
+        "step 6",
+        "epoch 2",
+    ]
+    assert all(outcome.values()), outcome
+
+
+class Unseeded(resumes.Run):
+    """The recipe without seeding the loader's generator at each epoch's start."""
+
+    def iterable(self, epoch: int) -> Any:
+        return self.loader
+
+
+class Unrestored(resumes.Run):
+    """The recipe without restoring the random state."""
+
+    def load(self, blob: bytes) -> resumes.Run:
+        state = torch.get_rng_state()
+        super().load(blob)
+        torch.set_rng_state(state)
+        return self
+
+
+@pytest.mark.parametrize("run", [Unseeded, Unrestored])
+def test_the_recipe_is_needed_whole(run: type[resumes.Run]) -> None:
+    """Leaving out the generator's seed or the random state makes the resume differ:
+    the bit-for-bit test above depends on both (dropout and shuffling are live)."""
+    saves = []
+
+    def checkpoint(run: resumes.Run) -> None:
+        if run.acc.global_step == 4 and run.acc.position:  # in the second epoch
+            saves.append(run.save())
+
+    whole = resumes.train(run("dataloader"), checkpoint)
+    resumed = resumes.train(run("dataloader").load(saves[0]))
+    assert not all(
+        torch.equal(p, q)
+        for p, q in zip(whole.model.parameters(), resumed.model.parameters(), strict=True)
+    )
+
+
+def test_the_resume_example_resumes_in_another_process(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """examples/resume.py stops a run with dropout and a shuffled DataLoader mid-epoch in
+    one process, resumes it in another, and finds the uninterrupted run's parameters (its
+    StatefulDataLoader variant is the recipe that `resumes` checks at every boundary)."""
+    spec = importlib.util.spec_from_file_location("resume_example", ROOT / "examples" / "resume.py")
+    assert spec is not None
+    assert spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, example)  # for its dataclass
+    spec.loader.exec_module(example)
+    assert example.main([]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "stopped after 21 of 48 optimizer steps; resumed bit for bit: True"
+    )
+
+
+def test_the_guides_recipe_resumes_from_its_last_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The guide's checkpoint recipe, a complete program: run whole (a checkpoint every 5
+    optimizer steps), then run again, it loads its last checkpoint (step 30 of 32, in the
+    second epoch) and trains the rest to the same parameters."""
+    guide = (ROOT / "docs" / "guide.md").read_text(encoding="utf-8")
+    section = guide[guide.index("## Checkpoints") :]
+    match = re.search(r"```python\n(.*?)```", section, flags=re.DOTALL)
+    assert match is not None
+    recipe = compile(match.group(1), "docs/guide.md", "exec")
+    monkeypatch.chdir(tmp_path)
+    whole: dict[str, Any] = {}
+    exec(recipe, whole)
+    resumed: dict[str, Any] = {}
+    exec(recipe, resumed)
+    loaded = resumed["state"]["acc"]
+    assert (loaded["global_step"], loaded["epochs_completed"], loaded["position"]) == (30, 1, 56)
+    assert resumed["acc"].global_step == whole["acc"].global_step == 32
+    assert all(
+        torch.equal(p, q)
+        for p, q in zip(whole["model"].parameters(), resumed["model"].parameters(), strict=True)
+    )
