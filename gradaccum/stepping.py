@@ -138,6 +138,8 @@ class Stepper:
                 "exits: remove the call"
             )
             raise UsageError(msg)
+        if all(_is_zero(group.get("lr")) for group in self.optimizer.param_groups):
+            return  # changes nothing: torch.distributed.checkpoint creating a fresh state
         warn(
             "optimizer.step() was called between windows while an Accumulator owns the "
             "optimizer; it steps once when each window's last microstep block exits: "
@@ -150,6 +152,11 @@ def learning_rate(optimizer: torch.optim.Optimizer) -> float | torch.Tensor | No
     (which the scheduler changes in place), None when the group has no ``"lr"``."""
     lr = optimizer.param_groups[0].get("lr")
     return lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
+
+
+def _is_zero(lr: object) -> bool:
+    """A learning rate of 0 (a float or a tensor; read only on a step taken by hand)."""
+    return isinstance(lr, (int, float, torch.Tensor)) and float(lr) == 0
 
 
 def _last_epoch(scheduler: Any) -> int | None:
