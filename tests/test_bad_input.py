@@ -149,14 +149,30 @@ def static_ddp(process_group: None) -> torch.nn.Module:
     return DistributedDataParallel(make_model(), static_graph=True)
 
 
+@pytest.fixture
+def split_mesh_model(process_group: None) -> torch.nn.Module:
+    """Two layers sharded with fully_shard over different meshes (1-D and 2-D)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model()
+    fully_shard(model[0], mesh=init_device_mesh("cpu", (1,)))
+    fully_shard(model[2], mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("r", "s")))
+    return model
+
+
+FIXTURES = ("static_ddp", "split_mesh_model")  # the names whose rows need a process group
+
+
 @pytest.mark.parametrize("row", ROWS, ids=[row.source for row in ROWS])
 def test_bad_input_is_refused_as_documented(
     row: Row, capsys: pytest.CaptureFixture[str], request: pytest.FixtureRequest
 ) -> None:
     """The call raises exactly the documented error, whose message has every fragment."""
     names = namespace()
-    if "static_ddp" in row.source:  # the rows that need a process group get one
-        names["static_ddp"] = request.getfixturevalue("static_ddp")
+    for name in FIXTURES:  # the rows that need a process group get one
+        if name in row.source:
+            names[name] = request.getfixturevalue(name)
     eval(row.value, names)  # the bad value itself is valid Python in this namespace
     expected = ERRORS[row.raises]
     with pytest.raises(expected) as caught:

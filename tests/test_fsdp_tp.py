@@ -12,13 +12,10 @@ checked against the reference too. All cases share one launch of 4 ranks.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import gradaccum
 from gradaccum.sync import strategy_for
@@ -147,18 +144,7 @@ def test_items_are_summed_over_the_data_parallel_ranks_only(
         assert rank["runs"][case].agreement == {("allreduce_", dp): 1}
 
 
-@pytest.fixture
-def one_rank(tmp_path: Path) -> Iterator[None]:
-    """A real one-rank gloo group, so fully_shard modules can be built in this process."""
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.usefixtures("one_rank")
+@pytest.mark.usefixtures("process_group")
 def test_modules_sharded_over_different_meshes_are_refused() -> None:
     """One layer fully_shard on a 1-D mesh, the other HSDP on a 2-D one: no one rank group
     sums the items for both, so the accumulator is refused up front, naming both meshes."""
@@ -174,7 +160,7 @@ def test_modules_sharded_over_different_meshes_are_refused() -> None:
         gradaccum.Accumulator(model, optimizer, steps=2)
 
 
-@pytest.mark.usefixtures("one_rank")
+@pytest.mark.usefixtures("process_group")
 def test_replicate_is_classified_from_its_mesh_information() -> None:
     """torch's FSDP-based replicate() has a replicate dim and no shard dim: "replicate"."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
