@@ -950,16 +950,16 @@ def _rank_failed(me: int, window: int, applied: bool, peer: faults.Failure) -> s
     """What `RankFailedError` says: the window each of the two ranks stopped in, whether
     it applied it, the windows this rank applied that the failed one did not, the fix."""
     where = "there first" if peer.window == window else f"first, in window {peer.window}"
-    first, last = peer.window + peer.applied, window - (not applied)
-    ahead = "" if last < first else f", so rank {me} applied window {first}"
-    if last > first:
-        ahead = f", so rank {me} applied windows {first} to {last}"
+    first, last = peer.window + peer.applied, window - (not applied)  # applied here only
+    ahead = ""
+    if last >= first:
+        windows = f"window {first}" if last == first else f"windows {first} to {last}"
+        ahead = f", so rank {me} applied {windows} that rank {peer.rank} did not"
     return (
         f"rank {me} stopped in window {window} because rank {peer.rank} failed {where}: "
         f"{peer.what}; rank {peer.rank} {'applied' if peer.applied else 'did not apply'} "
         f"window {peer.window}, rank {me} {'applied' if applied else 'did not apply'} "
-        f"window {window}{ahead}{f' that rank {peer.rank} did not' if ahead else ''}. "
-        "Restart every rank from the last checkpoint"
+        f"window {window}{ahead}. Restart every rank from the last checkpoint"
     )
 
 
