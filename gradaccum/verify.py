@@ -416,32 +416,13 @@ def report(rows: list[Row], device: str, *, wide: bool = False) -> str:
         f"{MICROBATCHES} microbatches per rank"
     ]
     policies = get_args(SyncPolicy)
-    head: tuple[str, ...]
+    head: tuple[str, ...] = ("path", "launch", "steps", "opt/sched steps", "max |param-ref|")
     if wide:
-        head = (
-            "path",
-            "launch",
-            "steps",
-            "opt/sched steps",
-            "max |param-ref|",
-            "host syncs",
-            "deferred reductions",
-            "collectives/window " + " | ".join(policies),
-            "one-time",
-            "peak memory",
-            "result",
-        )
+        collectives = "collectives/window " + " | ".join(policies)
+        head += ("host syncs", "deferred reductions", collectives, "one-time", "peak memory")
     else:
-        head = (
-            "path",
-            "launch",
-            "steps",
-            "opt/sched steps",
-            "max |param-ref|",
-            "host syncs",
-            "deferred",
-            "result",
-        )
+        head += ("host syncs", "deferred")
+    head += ("result",)
     checks: list[tuple[str, ...]] = [head]
     costs: list[tuple[str, ...]] = [("path", "steps", *policies, "one-time")]
     for row in rows:
