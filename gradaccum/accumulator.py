@@ -142,7 +142,7 @@ class Accumulator:
             no trainable parameter or the optimizer holds none of them, or the model's
             wrapping cannot defer as ``sync`` asks (DDP with ``static_graph=True``).
 
-    Example:
+    Examples:
         >>> model = torch.nn.Linear(3, 1)
         >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> acc = Accumulator(model, optimizer, steps=2)

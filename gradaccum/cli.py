@@ -34,13 +34,18 @@ def parse_steps(text: str) -> int:
         raise argparse.ArgumentTypeError(msg) from None
 
 
-def add_arguments(parser: P) -> P:
-    """Add ``--gradient-accumulation-steps N`` (default 1) to a parser or argument group.
+def add_arguments(parser: P, *, default: int = 1) -> P:
+    """Add ``--gradient-accumulation-steps N`` to a parser or argument group.
 
     The value lands in ``args.gradient_accumulation_steps``; 0, -3, 2.5 and ``abc``
     are refused with argparse's usage error (exit status 2).
 
-    Example:
+    Args:
+        parser: An ``argparse.ArgumentParser`` or argument group; returned.
+        default: The value when the flag is not given: 1 (no accumulation) unless the
+            script was written for another.
+
+    Examples:
         >>> parser = add_arguments(argparse.ArgumentParser())
         >>> parser.parse_args(["--gradient-accumulation-steps", "4"]).gradient_accumulation_steps
         4
@@ -48,11 +53,13 @@ def add_arguments(parser: P) -> P:
     if isinstance(parser, type) or not callable(getattr(parser, "add_argument", None)):
         msg = f"parser must be an argparse.ArgumentParser or argument group, got {describe(parser)}"
         raise ConfigTypeError(msg)
+    check_steps(default, "default")
     parser.add_argument(
         "--gradient-accumulation-steps",
         type=parse_steps,
-        default=1,
+        default=default,
         metavar="N",
-        help="microbatches per optimizer step (default: 1, no accumulation)",
+        help=f"microbatches per optimizer step (default: {default}"
+        + (", no accumulation)" if default == 1 else ")"),
     )
     return parser

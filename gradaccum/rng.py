@@ -31,7 +31,7 @@ def random_state() -> dict[str, Any]:
         number, a str or a list or tuple of them, so ``torch.load(weights_only=True)``
         reads it. Under several ranks each rank's state is its own: save one per rank.
 
-    Example:
+    Examples:
         >>> state = random_state()
         >>> first = torch.rand(2)
         >>> set_random_state(state)

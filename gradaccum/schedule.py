@@ -76,7 +76,7 @@ def steps_per_epoch(n_batches: int, steps: int) -> int:
         ``n_batches // steps``; the trailing ``n_batches % steps`` microbatches are not
         trained on.
 
-    Example:
+    Examples:
         >>> steps_per_epoch(13, 4)
         3
     """
@@ -99,7 +99,7 @@ def total_steps(
     Returns:
         The number of optimizer steps.
 
-    Example:
+    Examples:
         >>> total_steps(13, 4, epochs=2)
         6
         >>> total_steps(13, 4, epochs=2, drop_last=False)
@@ -142,7 +142,7 @@ def steps_at_epoch(schedule: Mapping[int, int], epoch: int) -> int:
         schedule: ``{first_epoch: steps}``, 0-based epochs; it must have the key 0.
         epoch: The 0-based epoch.
 
-    Example:
+    Examples:
         >>> warm_up = {0: 1, 2: 4, 5: 8}
         >>> [steps_at_epoch(warm_up, epoch) for epoch in range(7)]
         [1, 1, 4, 4, 4, 8, 8]
@@ -175,7 +175,7 @@ def interval(freq: int | float, steps_per_epoch: int) -> int:
     Returns:
         ``freq`` itself for an int, else ``max(1, round(freq * steps_per_epoch))``.
 
-    Example:
+    Examples:
         >>> interval(50, 1000)
         50
         >>> interval(0.25, 1000)

@@ -366,7 +366,7 @@ def register_sync_strategy(wrapper_type: type[nn.Module], factory: StrategyFacto
         ConfigTypeError: ``wrapper_type`` is not a subclass of ``torch.nn.Module`` or
             ``factory`` is not callable.
 
-    Example:
+    Examples:
         >>> class Replicated(torch.nn.Module):  # a wrapper that never communicates
         ...     pass
         >>> register_sync_strategy(Replicated, lambda model, policy: LocalSync())
@@ -497,7 +497,7 @@ def no_sync(model: nn.Module) -> AbstractContextManager[None]:
         ConfigError: On entering, ``model`` is a DDP with ``static_graph=True``, which
             cannot skip its first iteration's all-reduce.
 
-    Example:
+    Examples:
         >>> model = torch.nn.Linear(2, 1)
         >>> with no_sync(model):
         ...     model(torch.ones(1, 2)).sum().backward()

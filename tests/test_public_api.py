@@ -119,7 +119,7 @@ def test_errors_subclass_the_matching_builtins() -> None:
     ],
 )
 def test_docstring_examples_run(module: str) -> None:
-    """Every `Example:` in the docstrings is executed and its output checked."""
+    """Every `Examples:` section in the docstrings is executed and its output checked."""
     imported = importlib.import_module(f"gradaccum.{module}")
     globs = vars(imported) | {"torch": torch}
     failed, attempted = doctest.testmod(imported, globs=globs, raise_on_error=False, verbose=False)

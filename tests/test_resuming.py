@@ -477,11 +477,11 @@ def test_the_guides_recipe_resumes_from_its_last_checkpoint(
     """The guide's checkpoint recipe, a complete program: run whole (a checkpoint every 5
     optimizer steps), then run again, it loads its last checkpoint (step 30 of 32, in the
     second epoch) and trains the rest to the same parameters."""
-    guide = (ROOT / "docs" / "guide.md").read_text(encoding="utf-8")
+    guide = (ROOT / "docs" / "semantics.md").read_text(encoding="utf-8")
     section = guide[guide.index("## Checkpoints") :]
     match = re.search(r"```python\n(.*?)```", section, flags=re.DOTALL)
     assert match is not None
-    recipe = compile(match.group(1), "docs/guide.md", "exec")
+    recipe = compile(match.group(1), "docs/semantics.md", "exec")
     monkeypatch.chdir(tmp_path)
     whole: dict[str, Any] = {}
     exec(recipe, whole)

@@ -166,7 +166,7 @@ class CollectiveCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]  # 
         host_syncs: Host syncs seen.
         windows: What each closed window ran.
 
-    Example:
+    Examples:
         >>> model = torch.nn.Linear(2, 1)
         >>> with CollectiveCounter() as counter:
         ...     loss = model(torch.ones(1, 2)).sum()

@@ -45,7 +45,7 @@ def expected_windows(n_batches: int, steps: int, drop_last: bool = True) -> list
     in none; without it they form a last, shorter window. ``len()`` of the result is
     ``total_steps(n_batches, steps, 1, drop_last)``.
 
-    Example:
+    Examples:
         >>> expected_windows(10, 4)
         [range(0, 4), range(4, 8)]
         >>> expected_windows(10, 4, drop_last=False)
@@ -204,7 +204,7 @@ def check_accumulation(
         ConfigError, ConfigTypeError: An argument cannot be used (named in the message).
         LaunchError: A launched rank raised (with every rank's traceback).
 
-    Example:
+    Examples:
         >>> def make_model():
         ...     torch.manual_seed(0)
         ...     return torch.nn.Linear(3, 1).double()

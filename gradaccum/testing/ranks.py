@@ -102,7 +102,7 @@ def run_ranks(
             asked for without a GPU per rank.
         ConfigTypeError: ``fn``, ``args`` or ``kwargs`` cannot be sent to the ranks.
 
-    Example:
+    Examples:
         >>> run_ranks(pow, 2)  # pow(rank, world_size) on each rank
         [0, 1]
     """

@@ -3,7 +3,7 @@
 This is the one part of gradaccum that imports hypothesis (``pip install
 gradaccum[testing]``); ``import gradaccum`` and ``import gradaccum.testing`` do not.
 
-Example:
+Examples:
     >>> from hypothesis import given
     >>> @given(epoch=epochs())
     ... def test_cadence(epoch):
