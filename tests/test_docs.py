@@ -12,6 +12,7 @@ block is output, not code. A block in any other language fails, so nothing escap
 
 from __future__ import annotations
 
+import ast
 import re
 import shlex
 from pathlib import Path
@@ -101,3 +102,68 @@ def test_api_page_documents_every_public_name() -> None:
     public = {f"gradaccum.{name}" for name in gradaccum.__all__ if name != "__version__"}
     testing = {f"gradaccum.testing.{name}" for name in gradaccum.testing.__all__}
     assert documented == public | testing | {"gradaccum.testing", "gradaccum.testing.strategies"}
+
+
+def _warning_texts() -> list[str]:
+    """Each warning's first literal text in gradaccum's source: the message of every
+    ``warn(...)`` call, and for the ranks' length check, the text its callers pass to
+    ``agree()`` (its ``warn`` formats that text). Calls that pass a message made elsewhere
+    (``warn(message)`` in errors.py, the ranks' formatted text) hold no literal."""
+    texts = []
+    for path in sorted((ROOT / "gradaccum").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Call) or not isinstance(
+                node.func, (ast.Name, ast.Attribute)
+            ):
+                continue
+            name = node.func.id if isinstance(node.func, ast.Name) else node.func.attr
+            message = node.args[0] if name == "warn" else node.args[1] if name == "agree" else None
+            if isinstance(message, ast.JoinedStr):  # a value stands in as "{}"
+                texts.append("".join(_literal(part) for part in message.values).strip())
+            elif message is not None:
+                texts.append(_literal(message).strip())
+    return [text for text in texts if text.strip("{} ")]
+
+
+def _literal(node: ast.expr) -> str:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    return "{}"
+
+
+def _skeleton(text: str) -> list[str]:
+    """The first six words that are not a value: ``{}`` in the source, a one-letter
+    stand-in (``k``, ``N``) or ``…`` in a heading; one-letter words drop on both sides."""
+    words = [word.strip(",.;:()") for word in text.split()]
+    return [word for word in words if "{" not in word and len(word) > 1][:6]
+
+
+def test_faq_lists_every_warning() -> None:
+    """Each warning in the source has its own heading on the FAQ page, quoting its start
+    (its first words),
+    and the page lists no warning that the source no longer emits."""
+    faq = (DOCS / "faq.md").read_text(encoding="utf-8")
+    headings = re.findall(r'^### "(.+)"$', faq.split("## Warnings")[1].split("\n## ")[0], re.M)
+    texts = _warning_texts()
+    assert len(texts) == len(headings) == 10, (texts, headings)
+    for text in texts:
+        matches = [_skeleton(heading) == _skeleton(text) for heading in headings]
+        assert matches.count(True) == 1, text
+
+
+@pytest.mark.parametrize(
+    ("command", "complaint"),
+    [
+        ("python examples/resume.py --no-such-flag", "defines no --no-such-flag"),
+        ("torchrun --nproc_per_node 2 examples/missing.py", "does not exist"),
+        ("python -m gradaccum verify --stepz 4", "defines no --stepz"),
+    ],
+)
+def test_a_bash_block_with_a_wrong_command_fails(command: str, complaint: str) -> None:
+    """The check of ``bash`` blocks catches a renamed flag or a moved script."""
+
+    class Block:
+        parsed = command
+
+    with pytest.raises(AssertionError, match=complaint):
+        check_commands(Block())  # type: ignore[arg-type]
