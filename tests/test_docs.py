@@ -32,20 +32,19 @@ LANGUAGES = {"python", "bash", "text"}
 FENCE = re.compile(r"^ *```(\S*)", flags=re.MULTILINE)
 
 
-def _script_text(command: list[str]) -> tuple[Path, str] | None:
-    """The file a command runs and the source its flags must come from (None: no script).
-
-    A script's flags may come from `gradaccum.add_arguments` too.
+def _script_text(command: list[str]) -> tuple[list[str], str] | None:
+    """The script's arguments and the source their flags must come from (None: the command
+    runs no script of ours). A script's flags may come from `gradaccum.add_arguments` too.
     """
     cli = (ROOT / "gradaccum" / "cli.py").read_text(encoding="utf-8")
     if command[:3] == ["python", "-m", "gradaccum"]:
-        main = ROOT / "gradaccum" / "__main__.py"
-        return main, main.read_text() + (ROOT / "gradaccum" / "verify.py").read_text()
-    for word in command:
+        sources = [ROOT / "gradaccum" / "__main__.py", ROOT / "gradaccum" / "verify.py"]
+        return command[3:], "".join(path.read_text(encoding="utf-8") for path in sources)
+    for index, word in enumerate(command):
         if word.endswith(".py"):
             path = ROOT / word
             assert path.is_file(), f"{word} does not exist"
-            return path, path.read_text(encoding="utf-8") + cli
+            return command[index + 1 :], path.read_text(encoding="utf-8") + cli
     return None
 
 
@@ -60,12 +59,11 @@ def check_commands(example: Example) -> None:
             script = _script_text(command)
             if script is None:
                 continue
-            path, text = script
-            after = command[command.index(path.name) + 1 :] if path.name in command else command
-            for word in after:
+            arguments, text = script
+            for word in arguments:
                 flag = word.split("=")[0]
                 if flag.startswith("--"):
-                    assert f'"{flag}"' in text, f"{path.name} defines no {flag} ({part.strip()})"
+                    assert f'"{flag}"' in text, f"{part.strip()}: the script defines no {flag}"
 
 
 SYBIL = Sybil(
@@ -160,6 +158,7 @@ def test_faq_lists_every_warning() -> None:
     [
         ("python examples/resume.py --no-such-flag", "defines no --no-such-flag"),
         ("torchrun --nproc_per_node 2 examples/missing.py", "does not exist"),
+        ("torchrun --nproc_per_node 2 examples/distributed.py --wrapp ddp", "defines no --wrapp"),
         ("python -m gradaccum verify --stepz 4", "defines no --stepz"),
     ],
 )
@@ -171,3 +170,12 @@ def test_a_bash_block_with_a_wrong_command_fails(command: str, complaint: str) -
 
     with pytest.raises(AssertionError, match=complaint):
         check_commands(Block())  # type: ignore[arg-type]
+
+
+def test_a_launchers_own_flags_are_not_the_scripts() -> None:
+    """torchrun's flags before the script are not checked against the script."""
+
+    class Block:
+        parsed = "torchrun --nproc_per_node 2 examples/distributed.py --wrap fully_shard"
+
+    check_commands(Block())  # type: ignore[arg-type]
