@@ -191,6 +191,7 @@ class FullyShardSync(SyncStrategy):
         self._modules = modules
         self._policy = policy
         info = _mesh_info(modules)
+        _check_averaging(modules, info.mesh.size())
         shards, replicates = info.shard_mesh_dim is not None, info.replicate_mesh_dim is not None
         self._hsdp = shards and replicates
         self.group: dist.ProcessGroup | None = _mesh_group(info.mesh)
@@ -273,6 +274,28 @@ def _mesh_info(modules: list[Any]) -> Any:
             )
             raise ConfigError(msg)
     return first
+
+
+def _check_averaging(modules: list[Any], ranks: int) -> None:
+    """The normalization (``num_items``, the mean of microbatches) assumes FSDP averages the
+    gradients over the data-parallel ranks; a custom divide factor changes that.
+
+    Raises:
+        ConfigError: A module's ``set_gradient_divide_factor()`` set another factor than
+            the number of data-parallel ranks.
+    """
+    for module in modules:
+        for group in _param_groups(module):
+            factor = getattr(group, "gradient_divide_factor", None)
+            if factor is not None and factor != ranks:
+                msg = (
+                    f"a fully_shard module divides its gradients by {factor} "
+                    f"(set_gradient_divide_factor), not by its {ranks} data-parallel ranks, "
+                    "and gradaccum normalizes by the items or microbatches of every rank "
+                    "assuming FSDP averages; remove the set_gradient_divide_factor() call "
+                    "(num_items= already gives the item mean over all ranks)"
+                )
+                raise ConfigError(msg)
 
 
 def _mesh_of(modules: list[Any]) -> Any:

@@ -161,7 +161,18 @@ def split_mesh_model(process_group: None) -> torch.nn.Module:
     return model
 
 
-FIXTURES = ("static_ddp", "split_mesh_model")  # the names whose rows need a process group
+@pytest.fixture
+def summing_model(process_group: None) -> torch.nn.Module:
+    """A fully_shard model whose gradients FSDP divides by 2 instead of its 1 rank."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = fully_shard(make_model())
+    model.set_gradient_divide_factor(2.0)
+    return model
+
+
+# The names whose rows need a process group.
+FIXTURES = ("static_ddp", "split_mesh_model", "summing_model")
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[row.source for row in ROWS])

@@ -92,6 +92,26 @@ def test_ddp_static_graph_is_refused_when_deferring() -> None:
 
 
 @pytest.mark.usefixtures("process_group")
+def test_a_divide_factor_other_than_the_ranks_is_refused() -> None:
+    """fully_shard's set_gradient_divide_factor (torchtitan sets 1.0 to sum) breaks the
+    normalization, which assumes FSDP averages: refused at construction. A factor equal
+    to the data-parallel ranks averages, and trains."""
+    from torch.distributed.fsdp import fully_shard
+
+    summing = fully_shard(make_model())
+    summing.set_gradient_divide_factor(4.0)
+    with pytest.raises(gradaccum.ConfigError, match=r"divides its gradients by 4\.0"):
+        gradaccum.Accumulator(summing, sgd(summing), steps=2)
+    averaging = fully_shard(make_model())
+    averaging.set_gradient_divide_factor(1.0)  # one rank: the average
+    with gradaccum.Accumulator(averaging, sgd(averaging), steps=2) as acc:
+        for batch in acc.epoch(make_batches([2] * 4)):
+            with acc.microstep(mean_loss(averaging, batch)):
+                pass
+    assert acc.global_step == 2
+
+
+@pytest.mark.usefixtures("process_group")
 def test_no_sync_refuses_static_graph_with_a_fix_it_can_take() -> None:
     """no_sync() has no sync argument, so its refusal of static_graph=True says what to do
     instead; the DDP flag is left as it was."""
