@@ -236,7 +236,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "param_c": max_param_gap(models["c"], models["a"]),
     }
     b, n = args.batch_size, steps
-    print(f"{len(curves['a'])} optimizer steps of {b * n} sequences ({n} microbatches of {b})")
+    microbatches = f"{n} microbatch{'es' if n > 1 else ''} of {b}"
+    print(f"{len(curves['a'])} optimizer steps of {b * n} sequences ({microbatches})")
     print("final loss: " + "  ".join(f"({m}) {curves[m][-1]:.4f}" for m in "abc"))
     for mode, name in (("b", "num_items:    "), ("c", "mean of means:")):
         loss_gap, param_gap = gaps[f"loss_{mode}"], gaps[f"param_{mode}"]
