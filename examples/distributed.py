@@ -62,7 +62,7 @@ def global_loss(loss: torch.Tensor, items: int) -> torch.Tensor:
     With ``num_items``, ``step.loss`` is this rank's summed losses over its own items, so
     weigh it by them and sum both over the ranks: one all-reduce, which every rank calls.
     """
-    totals = torch.stack([loss * items, torch.tensor(float(items), device=loss.device)])
+    totals = torch.stack([loss * items, loss.new_tensor(items)])
     dist.all_reduce(totals)  # SUM
     return totals[0] / totals[1]
 

@@ -447,7 +447,7 @@ def global_losses(rank: int, world: int, sizes: list[list[int]], items: bool) ->
                     assert step.loss is not None
                     averaged = step.loss.clone()
                     dist.all_reduce(averaged, op=dist.ReduceOp.AVG)
-                    totals = torch.stack([step.loss * count, torch.tensor(float(count)).double()])
+                    totals = torch.stack([step.loss * count, step.loss.new_tensor(count)])
                     dist.all_reduce(totals)
                     losses.append((averaged.item(), (totals[0] / totals[1]).item()))
                     count = 0
