@@ -40,7 +40,7 @@ def dataset(rows: int) -> TensorDataset:
 
 
 def wrap(model: nn.Module, kind: str, device: torch.device) -> nn.Module:
-    """``model`` wrapped for data parallelism: the only line that differs between wrappings."""
+    """``model`` wrapped for data parallelism: the only part that differs between wrappings."""
     if kind == "ddp":
         return DistributedDataParallel(model)
     if kind == "fsdp1":
