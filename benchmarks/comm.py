@@ -35,7 +35,9 @@ gradaccum/hand ratio per window and their median. Target: <= 1.05. The largest d
 between the twins' parameters at the end should be 0.0: both do the same arithmetic.
 
 The script only reports; a failing rank raises with every rank's traceback.
-Usage: ``python benchmarks/comm.py [--rounds 8] [--hand-windows 8] [--only hand]``
+``--json PATH`` also writes the policies' rows (the columns printed) to ``PATH``, for
+``benchmarks/plot_comm.py``.
+Usage: ``python benchmarks/comm.py [--rounds 8] [--hand-windows 8] [--only hand] [--json PATH]``
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import ctypes
 import functools
 import gc
 import itertools
+import json
 import resource
 import statistics
 import time
@@ -309,17 +312,22 @@ def main() -> None:
     parser.add_argument(
         "--only", choices=["policies", "hand"], help="run only that part (default: both)"
     )
+    parser.add_argument("--json", metavar="PATH", help="also write the policies' rows to PATH")
     args = parser.parse_args()
     if args.only != "hand":
-        _policies(max(2, args.rounds))
+        tables = _policies(max(2, args.rounds))
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as file:
+                json.dump(tables, file, indent=1)
     if args.only != "policies":
         windows = max(1, args.hand_windows)
         hand = run_ranks(against_hand, WORLD, (windows,), timeout=120.0 + 10.0 * windows)
         _report_hand(hand, windows)
 
 
-def _policies(rounds: int) -> None:
-    """gradaccum's policies against each other: DDP, fully_shard and memory."""
+def _policies(rounds: int) -> dict[str, Result]:
+    """gradaccum's policies against each other: DDP, fully_shard and memory. Returns each
+    wrapping's columns and its rows, one per policy."""
     ddp = _run("ddp", ["auto", "every"], rounds)
     fsdp = _run("fully_shard", ["boundary", "every"], rounds // 2)
     fresh = {policy: _run("fully_shard", [policy], 0) for policy in ("boundary", "every")}
@@ -328,7 +336,9 @@ def _policies(rounds: int) -> None:
         f"{WORLD} gloo ranks; timed windows per policy: {rounds} DDP, {rounds // 2} fully_shard\n"
         "ms: the slower rank's, median; calls and MiB: per window; memory: the larger rank"
     )
-    rows = _report("DDP", ddp, "allreduce", ["ms/window", "all-reduces", "MiB all-reduced"], {})
+    ddp_columns = ["ms/window", "all-reduces", "MiB all-reduced"]
+    rows = _report("DDP", ddp, "allreduce", ddp_columns, {})
+    tables = {"DDP": {"columns": ddp_columns, "rows": rows}}
     ratio = _ratio(ddp, "every", "auto")
     print(
         f"every/auto: time {ratio:.2f} (target >= {TARGET}: "
@@ -343,12 +353,14 @@ def _policies(rounds: int) -> None:
     }
     columns = ["ms/window", "reduce-scatters", "MiB scattered", "grads held MiB", "peak RSS MiB"]
     rows = _report("fully_shard", fsdp, "reduce_scatter", columns, memory)
+    tables["fully_shard"] = {"columns": columns, "rows": rows}
     boundary, every = rows["boundary"], rows["every"]
     print(
         f"every/boundary: time {_ratio(fsdp, 'every', 'boundary'):.2f}, MiB "
         f"{every[2] / boundary[2]:.2f}; boundary/every: grads held {boundary[3] / every[3]:.2f}, "
         f"peak RSS {boundary[4] / every[4]:.2f}"
     )
+    return tables
 
 
 if __name__ == "__main__":

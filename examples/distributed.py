@@ -1,12 +1,17 @@
-"""Train with gradient accumulation on several processes, under DDP or fully_shard.
+"""Train with gradient accumulation on several processes: DDP, FSDP1, fully_shard or HSDP.
 
     torchrun --nproc_per_node 2 examples/distributed.py --wrap ddp
     torchrun --nproc_per_node 2 examples/distributed.py --wrap fully_shard --sync boundary
+    torchrun --nproc_per_node 2 examples/distributed.py --wrap fsdp1
+    torchrun --nproc_per_node 4 examples/distributed.py --wrap hsdp
 
-Runs on CPU with gloo, or on GPUs with NCCL (one per process). The loop is the same
-as on one process: the accumulator detects the wrapping, skips DDP's all-reduce on
-non-boundary microsteps, normalizes the summed losses by the items of the whole
-global window, clips by the full gradient norm and steps once per window.
+Runs on CPU with gloo, or on GPUs with NCCL (one per process). It accumulates 4
+microbatches per optimizer step unless told otherwise (--gradient-accumulation-steps).
+The loop is the same as on one process, and the same under every wrapping: the
+accumulator detects the wrapping, skips DDP's all-reduce on non-boundary microsteps,
+normalizes the summed losses by the items of the whole global window, clips by the full
+gradient norm and steps once per window. The logged loss is the whole job's window loss,
+equal to the loss of one big batch of every rank's microbatches.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -34,19 +39,40 @@ def dataset(rows: int) -> TensorDataset:
     return TensorDataset(x, y + 0.01 * torch.randn(rows, 1, generator=generator))
 
 
+def wrap(model: nn.Module, kind: str, device: torch.device) -> nn.Module:
+    """``model`` wrapped for data parallelism: the only part that differs between wrappings."""
+    if kind == "ddp":
+        return DistributedDataParallel(model)
+    if kind == "fsdp1":
+        return FullyShardedDataParallel(model, device_id=device)
+    world = dist.get_world_size()
+    if kind == "fully_shard":
+        mesh = init_device_mesh(device.type, (world,))
+    else:  # HSDP: shard within pairs of ranks, replicate across the pairs
+        mesh = init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("rep", "shard"))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def global_loss(loss: torch.Tensor, items: int) -> torch.Tensor:
+    """The window's loss over every rank's items, from this rank's ``step.loss``.
+
+    With ``num_items``, ``step.loss`` is this rank's summed losses over its own items, so
+    weigh it by them and sum both over the ranks: one all-reduce, which every rank calls.
+    """
+    totals = torch.stack([loss * items, loss.new_tensor(items)])
+    dist.all_reduce(totals)  # SUM
+    return totals[0] / totals[1]
+
+
 def train(args: argparse.Namespace, device: torch.device) -> None:
     """Build the wrapped model and train it; everything that holds the group lives here."""
     rank = dist.get_rank()
     torch.manual_seed(0)  # the same initial weights on every rank
     model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 1)).to(device)
-    if args.wrap == "ddp":
-        model = DistributedDataParallel(model)
-    else:
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+    model = wrap(model, args.wrap, device)
 
     data = dataset(512)
     sampler = DistributedSampler(data, shuffle=True, seed=0)
@@ -60,28 +86,35 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
         model, optimizer, scheduler, steps=steps, max_grad_norm=1.0, sync=args.sync
     ) as acc:
         for epoch in range(args.epochs):
-            sampler.set_epoch(epoch)
+            sampler.set_epoch(epoch)  # a new order each epoch, the same on every rank
+            items = 0  # this rank's items in the open window
             for x, y in acc.epoch(loader):
                 x, y = x.to(device), y.to(device)
                 loss_sum = (model(x) - y).square().sum()
+                items += len(x)
                 with acc.microstep(loss_sum, num_items=len(x)) as step:
-                    if step.boundary and step.global_step % 8 == 0 and rank == 0:
-                        # step.loss is this rank's; grad_norm is the full norm, on every rank.
-                        print(
-                            f"epoch {epoch} step {step.global_step}/{horizon} "
-                            f"loss {step.loss.item():.4f} grad norm {step.grad_norm.item():.3f}"
-                        )
+                    if step.boundary and step.global_step % 4 == 0:
+                        loss = global_loss(step.loss, items)  # on every rank: a collective
+                        if rank == 0:  # grad_norm is the whole gradient's, on every rank
+                            print(
+                                f"epoch {epoch} step {step.global_step}/{horizon} "
+                                f"loss {loss.item():.5f} grad norm {step.grad_norm.item():.5f}"
+                            )
+                if step.boundary:
+                    items = 0
     if rank == 0:
         print(f"{acc.global_step} optimizer steps on {dist.get_world_size()} ranks ({args.wrap})")
 
 
 def main() -> None:
-    parser = gradaccum.add_arguments(argparse.ArgumentParser(description=__doc__))
-    parser.add_argument("--wrap", choices=["ddp", "fully_shard"], default="ddp")
+    parser = gradaccum.add_arguments(argparse.ArgumentParser(description=__doc__), default=4)
+    parser.add_argument("--wrap", choices=["ddp", "fsdp1", "fully_shard", "hsdp"], default="ddp")
     parser.add_argument("--sync", choices=["auto", "boundary", "every"], default="auto")
     parser.add_argument("--epochs", type=int, default=2)
     args = parser.parse_args()
 
+    if args.wrap == "hsdp" and int(os.environ["WORLD_SIZE"]) % 2:
+        parser.error(f"--wrap hsdp shards over pairs of ranks; got {os.environ['WORLD_SIZE']}")
     device = (
         torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else None
     )

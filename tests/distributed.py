@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import gradaccum
@@ -427,3 +428,27 @@ def warm_up(rank: int, world: int) -> tuple[list[dict[str, int]], list[torch.Ten
         counts.append(dict(counter.ops))
     acc.close()
     return counts, full_params(model, "ddp"), acc.global_step
+
+
+def global_losses(rank: int, world: int, sizes: list[list[int]], items: bool) -> list[Any]:
+    """One DDP epoch of the design-card loop (steps=4). Per window, the whole job's loss
+    as docs/distributed.md computes it from ``step.loss``: averaged over the ranks, and
+    weighted by each rank's items and summed."""
+    model = wrap("ddp", make_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    with gradaccum.Accumulator(model, optimizer, steps=4) as acc:
+        count = 0  # this rank's items in the open window
+        for batch in acc.epoch(rank_batches(rank, sizes[rank])):
+            loss = sum_loss(model, batch) if items else mean_loss(model, batch)
+            count += len(batch[0])
+            with acc.microstep(loss, num_items=len(batch[0]) if items else None) as step:
+                if step.boundary:
+                    assert step.loss is not None
+                    averaged = step.loss.clone()
+                    dist.all_reduce(averaged, op=dist.ReduceOp.AVG)
+                    totals = torch.stack([step.loss * count, step.loss.new_tensor(count)])
+                    dist.all_reduce(totals)
+                    losses.append((averaged.item(), (totals[0] / totals[1]).item()))
+                    count = 0
+    return losses

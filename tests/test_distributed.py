@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib.util
 import itertools
 import os
+import re
 import subprocess
 import sys
 import time
@@ -14,7 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
+from torch.utils.data import DistributedSampler
 
+import gradaccum
 from gradaccum.testing import LaunchError, run_ranks
 from tests import distributed
 from tests.distributed import UNITS, Training, rank_batches, run, train
@@ -245,34 +250,120 @@ def test_flags_are_restored_on_close(kind: str) -> None:
     assert inside != first
 
 
-def test_the_distributed_example_runs_under_torchrun() -> None:
-    """examples/distributed.py, as its docstring launches it: DDP and fully_shard train the
-    same steps and log the same losses and norms (the same mathematics, sharded or not)."""
-    logs = []
-    for wrapping in ("ddp", "fully_shard"):
-        result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc_per_node",
-                "2",
-                str(ROOT / "examples" / "distributed.py"),
-                "--wrap",
-                wrapping,
-                "--epochs",
-                "1",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-            env=os.environ | {"GLOO_SOCKET_IFNAME": "lo"},
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        lines = result.stdout.splitlines()
-        assert lines[-1] == f"32 optimizer steps on 2 ranks ({wrapping})"
-        logs.append(lines[:-1])
-    assert len(logs[0]) == 4
-    assert logs[0] == logs[1]
+def _big_batch_losses(windows: list[list[Batch]]) -> list[float]:
+    """The loss of each global window as one big batch (the mean over its rows), before
+    its SGD step, as `reference_sgd` trains."""
+    model = make_model()
+    losses = []
+    for window in windows:
+        loss = mean_loss(model, concat(window))
+        losses.append(loss.item())
+        model.zero_grad()
+        loss.backward()
+        with torch.no_grad():
+            for param in model.parameters():
+                param -= 0.1 * param.grad
+    return losses
+
+
+def test_the_global_loss_recipes_of_the_docs() -> None:
+    """docs/distributed.md's global loss: in mean mode `step.loss` averaged over the ranks
+    is the big batch's loss (equal microbatches); in item mode, with different item counts
+    per rank, `step.loss` weighted by each rank's items and summed is, and the plain
+    average is not."""
+    mean = run(distributed.global_losses, 2, EQUAL, False)
+    want = _big_batch_losses(global_windows(EQUAL, 2))
+    for rank in mean:
+        assert [averaged for averaged, _ in rank] == pytest.approx(want, abs=TOL)
+    sizes = [[1 + (3 * i + 5 * r) % 6 for i in range(13)] for r in range(2)]
+    items = run(distributed.global_losses, 2, sizes, True)
+    want = _big_batch_losses(global_windows(sizes, 2))
+    for rank in items:
+        assert [weighted for _, weighted in rank] == pytest.approx(want, abs=TOL)
+        assert all(abs(averaged - w) > 1e-4 for (averaged, _), w in zip(rank, want, strict=True))
+
+
+def _example_reference(world: int, epochs: int, steps: int = 4) -> list[str]:
+    """What examples/distributed.py logs, computed on one process without gradaccum: each
+    window is one big batch of every rank's microbatches of that window (in the order the
+    ranks' DistributedSamplers give them), its loss the mean over all its rows."""
+    spec = importlib.util.spec_from_file_location("example", ROOT / "examples" / "distributed.py")
+    assert spec is not None
+    assert spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    data, batch = example.dataset(512), 8
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    per_rank = len(data) // world // batch  # the microbatches of each rank's epoch
+    horizon = gradaccum.total_steps(per_rank, steps, epochs)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=horizon)
+    logs, done = [], 0
+    for epoch in range(epochs):
+        orders = []
+        for rank in range(world):
+            sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
+            sampler.set_epoch(epoch)
+            orders.append(list(sampler))
+        rows = steps * batch
+        for window in range(per_rank // steps):
+            indices = [i for order in orders for i in order[window * rows : (window + 1) * rows]]
+            x, y = data[indices]
+            loss = (model(x) - y).square().mean()
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            done += 1
+            if done % 4 == 0:
+                logs.append(
+                    f"epoch {epoch} step {done}/{horizon} loss {loss:.5f} grad norm {norm:.5f}"
+                )
+    return logs
+
+
+LOG = re.compile(r"epoch (\d+) step (\d+/\d+) loss (\S+) grad norm (\S+)")
+
+
+@pytest.mark.parametrize(
+    ("wrapping", "nproc"), [("ddp", 2), ("fsdp1", 2), ("fully_shard", 2), ("hsdp", 4)]
+)
+def test_the_distributed_example_logs_the_big_batch_loss(wrapping: str, nproc: int) -> None:
+    """examples/distributed.py, launched as its docstring says (4 microbatches a window by
+    default), trains the steps it should and logs the whole job's window loss and the
+    gradient norm of the big batch of every rank's window, under every wrapping. Logging
+    rank 0's own `step.loss`, or averaging the ranks' without weighing them by their
+    items, does not match."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(nproc),
+            str(ROOT / "examples" / "distributed.py"),
+            "--wrap",
+            wrapping,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+        env=os.environ | {"GLOO_SOCKET_IFNAME": "lo"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    *lines, last = result.stdout.splitlines()
+    windows = 512 // nproc // 8 // 4
+    assert last == f"{2 * windows} optimizer steps on {nproc} ranks ({wrapping})"
+    expected = _example_reference(nproc, epochs=2)
+    assert len(lines) == len(expected) == 2 * windows // 4
+    for got, want in zip(map(LOG.fullmatch, lines), map(LOG.fullmatch, expected), strict=True):
+        assert got is not None
+        assert want is not None
+        (*at, loss, norm), (*want_at, want_loss, want_norm) = got.groups(), want.groups()
+        assert at == want_at
+        assert float(loss) == pytest.approx(float(want_loss), abs=2e-5), (lines, expected)
+        assert float(norm) == pytest.approx(float(want_norm), abs=2e-5), (lines, expected)

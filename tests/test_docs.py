@@ -8,6 +8,17 @@ pages are checked by the same command as the code, with no plugin and no separat
 collection. A ``bash`` block is not run (it trains for minutes, or on several ranks); each
 command in it must name files that exist and flags that its script defines. A ``text``
 block is output, not code. A block in any other language fails, so nothing escapes both.
+
+A ``python`` block whose lines are all pymdownx snippet includes (``--8<-- "path"``) shows
+a whole file on the site, which the build pastes in. Sybil sees only the include line, and
+running the file here would not do either: a torchrun script needs its ranks. So such a
+block is checked, not run: each path must be a file under ``examples/`` that a test under
+``tests/`` names (a test that runs it, as ``tests/test_distributed.py`` launches
+``examples/distributed.py`` under torchrun). That keeps the shown code tested without a
+``skip`` marker, which would also hide a block that should run. ``ruff format`` formats
+python blocks in Markdown and would rewrite an include into ``--8 < --"path"``, so such a
+block sits between ``<!-- fmt: off -->`` and ``<!-- fmt: on -->``; a rewritten one is no
+longer an include, runs as python here, and fails.
 """
 
 from __future__ import annotations
@@ -15,11 +26,13 @@ from __future__ import annotations
 import ast
 import re
 import shlex
+import sys
 import unittest
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
-from sybil import Example, Sybil
+from sybil import Document, Example, Region, Sybil
 from sybil.parsers.markdown import CodeBlockParser, PythonCodeBlockParser, SkipParser
 
 import gradaccum
@@ -66,9 +79,42 @@ def check_commands(example: Example) -> None:
                     assert f'"{flag}"' in text, f"{part.strip()}: the script defines no {flag}"
 
 
+SNIPPET = re.compile(r'^--8<-- "([^"]+)"$')
+
+
+def snippet_paths(source: str) -> list[str]:
+    """The files a block includes, when every line of it is a snippet include; else []."""
+    lines = [line.strip() for line in source.splitlines() if line.strip()]
+    matches = [SNIPPET.match(line) for line in lines]
+    return [m[1] for m in matches if m] if lines and all(matches) else []
+
+
+def check_snippets(example: Example) -> None:
+    """Each included file exists under examples/ and a test file names it (and runs it)."""
+    tests = [path.read_text(encoding="utf-8") for path in (ROOT / "tests").glob("test_*.py")]
+    named = "\n".join(tests).replace('" / "', "/")  # ROOT / "examples" / "x.py" names x.py
+    for path in snippet_paths(str(example.parsed)):
+        assert (ROOT / path).is_file(), f"{path} does not exist"
+        assert path.startswith("examples/"), f"{path}: only examples, which tests run, are shown"
+        assert path in named, f"{path} is shown but no test under tests/ names it"
+
+
+class PythonOrSnippetParser:
+    """Python blocks, run; those made only of snippet includes, checked by `check_snippets`."""
+
+    def __init__(self) -> None:
+        self.python = PythonCodeBlockParser()
+
+    def __call__(self, document: Document) -> Iterable[Region]:
+        for region in self.python(document):
+            if isinstance(region.parsed, str) and snippet_paths(region.parsed):
+                region.evaluator = check_snippets
+            yield region
+
+
 SYBIL = Sybil(
     parsers=[
-        PythonCodeBlockParser(),
+        PythonOrSnippetParser(),
         CodeBlockParser(language="bash", evaluator=check_commands),
         SkipParser(),
     ],
@@ -95,6 +141,40 @@ def test_code_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyP
             example.evaluate()
         except unittest.SkipTest:  # `<!-- skip: next "reason" -->`: that block only
             continue
+
+
+def test_a_snippet_block_is_checked_not_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A python block of only snippet includes passes when it shows a tested example, and
+    fails when the file is missing, is not an example, or no test names it; a block with
+    code besides an include still runs as python."""
+    page = tmp_path / "page.md"
+    for include, error in [
+        ('--8<-- "examples/distributed.py"', None),
+        ('--8<-- "examples/missing.py"', "does not exist"),
+        ('--8<-- "gradaccum/cli.py"', "only examples"),
+    ]:
+        page.write_text(f"```python\n{include}\n```\n", encoding="utf-8")
+        (example,) = SYBIL.parse(page).examples()
+        if error is None:
+            example.evaluate()
+        else:
+            with pytest.raises(AssertionError, match=error):
+                example.evaluate()
+    page.write_text('```python\n--8<-- "examples/distributed.py"\nx = 1\n```\n')
+    (example,) = SYBIL.parse(page).examples()
+    with pytest.raises(TypeError, match="unary -"):  # run as python: -(-8 < -"path")
+        example.evaluate()
+    root = tmp_path / "root"
+    (root / "examples").mkdir(parents=True)
+    (root / "tests").mkdir()
+    (root / "examples" / "untested.py").write_text("print()\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", root)
+    page.write_text('```python\n--8<-- "examples/untested.py"\n```\n')
+    (example,) = SYBIL.parse(page).examples()
+    with pytest.raises(AssertionError, match="no test under tests/ names it"):
+        example.evaluate()
 
 
 def test_api_page_documents_every_public_name() -> None:
