@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import io
-import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -468,29 +467,4 @@ def test_the_resume_example_resumes_in_another_process(
     assert example.main([]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == (
         "stopped after 21 of 48 optimizer steps; resumed bit for bit: True"
-    )
-
-
-def test_the_guides_recipe_resumes_from_its_last_checkpoint(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The guide's checkpoint recipe, a complete program: run whole (a checkpoint every 5
-    optimizer steps), then run again, it loads its last checkpoint (step 30 of 32, in the
-    second epoch) and trains the rest to the same parameters."""
-    guide = (ROOT / "docs" / "semantics.md").read_text(encoding="utf-8")
-    section = guide[guide.index("## Checkpoints") :]
-    match = re.search(r"```python\n(.*?)```", section, flags=re.DOTALL)
-    assert match is not None
-    recipe = compile(match.group(1), "docs/semantics.md", "exec")
-    monkeypatch.chdir(tmp_path)
-    whole: dict[str, Any] = {}
-    exec(recipe, whole)
-    resumed: dict[str, Any] = {}
-    exec(recipe, resumed)
-    loaded = resumed["state"]["acc"]
-    assert (loaded["global_step"], loaded["epochs_completed"], loaded["position"]) == (30, 1, 56)
-    assert resumed["acc"].global_step == whole["acc"].global_step == 32
-    assert all(
-        torch.equal(p, q)
-        for p, q in zip(whole["model"].parameters(), resumed["model"].parameters(), strict=True)
     )
