@@ -32,6 +32,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 from sybil import Document, Example, Region, Sybil
 from sybil.parsers.markdown import CodeBlockParser, PythonCodeBlockParser, SkipParser
 
@@ -135,12 +136,17 @@ def test_code_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyP
     languages = set(FENCE.findall(text)[::2])  # opening fences only
     assert languages <= LANGUAGES, f"{page.name}: blocks in {languages - LANGUAGES}"
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # a page may add its example's folder
     document = SYBIL.parse(page)
-    for example in document.examples():
-        try:
-            example.evaluate()
-        except unittest.SkipTest:  # `<!-- skip: next "reason" -->`: that block only
-            continue
+    try:
+        for example in document.examples():
+            try:
+                example.evaluate()
+            except unittest.SkipTest:  # `<!-- skip: next "reason" -->`: that block only
+                continue
+    finally:  # a page that failed before its own teardown leaves no group to later tests
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def test_a_snippet_block_is_checked_not_run(
