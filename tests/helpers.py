@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import copy
 import io
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -98,3 +102,19 @@ def load_checkpoint(parts: tuple[Any, ...], blob: bytes) -> tuple[Any, ...]:
     scheduler.load_state_dict(state["scheduler"])
     acc.load_state_dict(state["acc"])
     return parts
+
+
+def torchrun(
+    script: Path, nproc: int, *args: str, timeout: float = 180
+) -> subprocess.CompletedProcess[str]:
+    """Launch ``script`` as its docstring does, ``torchrun --nproc_per_node nproc``, on
+    loopback; the result's output is text."""
+    command = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    return subprocess.run(
+        [sys.executable, *command, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env=os.environ | {"GLOO_SOCKET_IFNAME": "lo"},
+    )

@@ -7,10 +7,7 @@ import copy
 import functools
 import importlib.util
 import itertools
-import os
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,7 +20,15 @@ import gradaccum
 from gradaccum.testing import LaunchError, run_ranks
 from tests import distributed
 from tests.distributed import UNITS, Training, rank_batches, run, train
-from tests.helpers import Batch, concat, make_model, mean_loss, reference_sgd, windows_of
+from tests.helpers import (
+    Batch,
+    concat,
+    make_model,
+    mean_loss,
+    reference_sgd,
+    torchrun,
+    windows_of,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-10
@@ -336,24 +341,7 @@ def test_the_distributed_example_logs_the_big_batch_loss(wrapping: str, nproc: i
     gradient norm of the big batch of every rank's window, under every wrapping. Logging
     rank 0's own `step.loss`, or averaging the ranks' without weighing them by their
     items, does not match."""
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            str(nproc),
-            str(ROOT / "examples" / "distributed.py"),
-            "--wrap",
-            wrapping,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-        env=os.environ | {"GLOO_SOCKET_IFNAME": "lo"},
-    )
+    result = torchrun(ROOT / "examples" / "distributed.py", nproc, "--wrap", wrapping)
     assert result.returncode == 0, result.stderr[-3000:]
     *lines, last = result.stdout.splitlines()
     windows = 512 // nproc // 8 // 4

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
-import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -16,7 +14,7 @@ import pytest
 from torch.nn.parallel import DistributedDataParallel
 
 from gradaccum.testing import check_accumulation
-from tests.helpers import make_model
+from tests.helpers import make_model, torchrun
 from tests.loops import decay, rank_batches, sgd
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,24 +79,7 @@ def test_the_script_logs_every_quarter_epoch(
 def test_the_script_runs_under_torchrun() -> None:
     """As its docstring launches it: 2 DDP ranks of 25 microbatches each, 6 optimizer steps
     an epoch, a log every interval(0.25, 6) = 2 steps."""
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            str(ROOT / "examples" / "own_trainer.py"),
-            "--gradient-accumulation-steps",
-            "4",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env=os.environ | {"GLOO_SOCKET_IFNAME": "lo"},
-    )
+    result = torchrun(ROOT / "examples" / "own_trainer.py", 2, "--gradient-accumulation-steps", "4")
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert [line.split()[1] for line in lines[:-1]] == [str(s) for s in range(2, 13, 2)]
