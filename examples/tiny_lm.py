@@ -33,6 +33,7 @@ that noise is far smaller than AdamW's eps, and the parameter gap is about 1e-12
 from __future__ import annotations
 
 import argparse
+import importlib.util
 
 import torch
 from torch import nn
@@ -214,6 +215,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--out", default="tiny_lm.png", help="where to write the PNG")
     args = parser.parse_args(argv)
     steps = args.gradient_accumulation_steps
+    if importlib.util.find_spec("matplotlib") is None:  # say so before training, not after
+        parser.error("the picture needs matplotlib: pip install -e '.[examples]'")
 
     # One thread: a model this small gains nothing from more, and on a busy machine
     # threads waiting for each other made it 10x slower.
