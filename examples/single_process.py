@@ -1,6 +1,6 @@
 """Train a small regressor with gradient accumulation on one process.
 
-    python examples/single_process.py --gradient-accumulation-steps 4 --epochs 3
+    python examples/single_process.py --epochs 3  # 4 microbatches per step by default
 
 Shows the parts together: the CLI flag, the scheduler horizon from ``total_steps``, a
 log cadence from ``interval``, item-weighted losses for variable-length microbatches,
@@ -31,7 +31,7 @@ def microbatches(count: int, generator: torch.Generator) -> list[tuple[torch.Ten
 
 def main(argv: list[str] | None = None) -> float:
     """Train, checkpoint once, and return the last window's loss."""
-    parser = gradaccum.add_arguments(argparse.ArgumentParser(description=__doc__))
+    parser = gradaccum.add_arguments(argparse.ArgumentParser(description=__doc__), default=4)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--microbatches", type=int, default=26)
     parser.add_argument("--log-every", type=float, default=0.5, help="steps, or epoch fraction")
