@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -96,6 +97,14 @@ def test_verify_table_fits_100_columns_and_ends_in_the_verdict() -> None:
     assert cells["single-process", "4"] == ["0", "0", "0"]
     assert cells["DDP", "4"] == ["1 ar", "1 ar", "4 ar", "1 ar + 2 bc"]
     assert cells["fully_shard", "4"] == ["16 ag + 8 rs", "16 ag + 2 rs", "16 ag + 8 rs", "1 ar"]
+    # The Getting started page shows this output: each line it shows is printed (the
+    # gaps to the reference, rounding noise, aside; "..." stands for the lines it omits).
+    page = (Path(__file__).parent.parent / "docs" / "index.md").read_text(encoding="utf-8")
+    shown = page.split("## What `verify` prints")[1].split("```text\n")[1].split("```")[0]
+    gap = re.compile(r"\d\.\de[-+]\d\d")
+    printed = {gap.sub("GAP", line) for line in lines}
+    lines_shown = [line for line in shown.splitlines() if line != "..."]
+    assert [line for line in lines_shown if gap.sub("GAP", line) not in printed] == []
 
 
 def rows_of(row: verify.Row, n: int, **broken: Any) -> list[verify.Row]:
