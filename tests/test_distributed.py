@@ -355,3 +355,16 @@ def test_the_distributed_example_logs_the_big_batch_loss(wrapping: str, nproc: i
         assert at == want_at
         assert float(loss) == pytest.approx(float(want_loss), abs=2e-5), (lines, expected)
         assert float(norm) == pytest.approx(float(want_norm), abs=2e-5), (lines, expected)
+    if nproc == 2:  # what the Distributed page shows it prints, to its 5 digits
+        page = (ROOT / "docs" / "distributed.md").read_text(encoding="utf-8")
+        shown = page.split("## Run the example")[1].split("```text\n")[1].split("```")[0]
+        *shown_lines, shown_last = shown.splitlines()
+        assert shown_last == "16 optimizer steps on 2 ranks (ddp)"
+        for got, want in zip(lines, shown_lines, strict=True):
+            (*at, loss, norm), (*want_at, want_loss, want_norm) = (
+                LOG.fullmatch(line).groups()  # type: ignore[union-attr]
+                for line in (got, want)
+            )
+            assert at == want_at
+            assert float(loss) == pytest.approx(float(want_loss), abs=2e-5)
+            assert float(norm) == pytest.approx(float(want_norm), abs=2e-5)
