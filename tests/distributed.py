@@ -72,6 +72,18 @@ def wrap(kind: str, model: nn.Module) -> nn.Module:
     raise ValueError(kind)
 
 
+def fully_shard_averaging_by_its_factor(model: nn.Module) -> nn.Module:
+    """``fully_shard``, each unit told to divide its gradients by the world size: FSDP's
+    own average, spelled out with ``set_gradient_divide_factor`` (accepted)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = wrap("fully_shard", model)
+    for module in sharded.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(float(dist.get_world_size()))
+    return sharded
+
+
 def full_params(model: nn.Module, kind: str) -> list[torch.Tensor]:
     """Every parameter, whole and in the original module's order, on every rank."""
     if kind == "fsdp1":

@@ -17,8 +17,8 @@ from torch import nn
 from torch.utils.data import DistributedSampler
 
 import gradaccum
-from gradaccum.testing import LaunchError, run_ranks
-from tests import distributed
+from gradaccum.testing import LaunchError, check_accumulation, run_ranks
+from tests import distributed, loops
 from tests.distributed import UNITS, Training, rank_batches, run, train
 from tests.helpers import (
     Batch,
@@ -26,6 +26,7 @@ from tests.helpers import (
     make_model,
     mean_loss,
     reference_sgd,
+    sum_loss,
     torchrun,
     windows_of,
 )
@@ -368,3 +369,20 @@ def test_the_distributed_example_logs_the_big_batch_loss(wrapping: str, nproc: i
             assert at == want_at
             assert float(loss) == pytest.approx(float(want_loss), abs=2e-5)
             assert float(norm) == pytest.approx(float(want_norm), abs=2e-5)
+
+
+def test_a_divide_factor_equal_to_the_ranks_is_exact() -> None:
+    """fully_shard whose units divide by the world size through set_gradient_divide_factor
+    (FSDP's own average, so not refused) trains by items exactly as the float64 big batch,
+    on 2 ranks with different data."""
+    report = check_accumulation(
+        make_model,
+        loops.sgd,
+        functools.partial(loops.accumulator_loop, by_items=True),
+        [loops.rank_batches(0), loops.rank_batches(1)],
+        sum_loss,
+        steps=loops.STEPS,
+        num_items=loops.items,
+        wrap=distributed.fully_shard_averaging_by_its_factor,
+    )
+    assert report.ok, report
