@@ -118,3 +118,9 @@ def torchrun(
         check=False,
         env=os.environ | {"GLOO_SOCKET_IFNAME": "lo"},
     )
+
+
+def shown_output(page: str, heading: str) -> str:
+    """The first ``text`` block after ``heading`` on ``docs/<page>``: output a page shows."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / page).read_text(encoding="utf-8")
+    return text.split(heading)[1].split("```text\n")[1].split("```")[0]

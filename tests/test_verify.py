@@ -6,7 +6,6 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,6 +14,7 @@ import torch
 from gradaccum import verify
 from tests import distributed
 from tests.distributed import run
+from tests.helpers import shown_output
 
 
 def verify_command(*options: str) -> subprocess.CompletedProcess[str]:
@@ -99,8 +99,7 @@ def test_verify_table_fits_100_columns_and_ends_in_the_verdict() -> None:
     assert cells["fully_shard", "4"] == ["16 ag + 8 rs", "16 ag + 2 rs", "16 ag + 8 rs", "1 ar"]
     # The Getting started page shows this output: each line it shows is printed (the
     # gaps to the reference, rounding noise, aside; "..." stands for the lines it omits).
-    page = (Path(__file__).parent.parent / "docs" / "index.md").read_text(encoding="utf-8")
-    shown = page.split("## What `verify` prints")[1].split("```text\n")[1].split("```")[0]
+    shown = shown_output("index.md", "## What `verify` prints")
     gap = re.compile(r"\d\.\de[-+]\d\d")
     printed = {gap.sub("GAP", line) for line in lines}
     lines_shown = [line for line in shown.splitlines() if line != "..."]
