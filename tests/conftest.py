@@ -1,6 +1,8 @@
 """Hypothesis profiles: the default one runs in CI; ``--hypothesis-profile=long`` runs
-many more examples (hours, for a soak before a release). A one-rank process group for the
-tests that build real DDP and fully_shard modules in this process."""
+many more examples (hours, for a soak before a release). Neither has a deadline or the
+``too_slow`` health check: on a loaded 2-core machine generating an input can take a
+second, and a test must not fail for load alone. A one-rank process group for the tests
+that build real DDP and fully_shard modules in this process."""
 
 from __future__ import annotations
 
@@ -9,9 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from hypothesis import settings
+from hypothesis import HealthCheck, settings
 
-settings.register_profile("long", max_examples=50_000, deadline=None)
+_UNHURRIED = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
+settings.register_profile("default", **_UNHURRIED)
+settings.register_profile("long", max_examples=50_000, **_UNHURRIED)
+settings.load_profile("default")
 
 
 @pytest.fixture
