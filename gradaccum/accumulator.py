@@ -51,22 +51,30 @@ class Step:
             the block exits); on other microsteps, the steps completed so far.
         grad_norm: The total gradient norm before clipping, a 0-dim tensor; ``None``
             without ``max_grad_norm``.
-        lr: The learning rate of the first parameter group for this update, as it was
-            at the boundary (a copy when it is a tensor); ``None`` when the optimizer's
-            groups have no ``"lr"``.
+        lr: The learning rate of the first optimizer's first parameter group for this
+            update, as it was at the boundary (a copy when it is a tensor); ``None``
+            when that group has no ``"lr"``. The scheduler steps after the block, so
+            ``scheduler.get_last_lr()`` read after it is the next window's.
+        lrs: The same for each optimizer, in the order given: one entry per optimizer
+            (``lrs[0]`` is ``lr``); ``()`` off the boundary.
         skipped: The window was not applied (no optimizer or scheduler step) because
-            its gradient held inf/NaN: known in the block under ``on_nonfinite="skip"``,
-            and once the block has exited when a GradScaler skipped the step.
+            its gradient held inf/NaN: known in the block under ``on_nonfinite="skip"``
+            (and with a GradScaler and several optimizers), and once the block has exited
+            when a GradScaler skipped the step.
     """
 
     __slots__ = (
+        "_alone",
+        "_by_items",
         "_divisor",
+        "_global",
         "_loss",
         "_losses",
         "boundary",
         "global_step",
         "grad_norm",
         "lr",
+        "lrs",
         "skipped",
     )
 
@@ -77,21 +85,29 @@ class Step:
         *,
         losses: Sequence[torch.Tensor] = (),
         divisor: int | torch.Tensor = 1,
+        by_items: bool = False,
         grad_norm: torch.Tensor | None = None,
-        lr: float | torch.Tensor | None = None,
+        lrs: tuple[float | torch.Tensor | None, ...] = (),
+        alone: bool = True,
+        global_totals: torch.Tensor | None = None,
     ) -> None:
         self.boundary = boundary
         self.global_step = global_step
         self.grad_norm = grad_norm
-        self.lr = lr
+        self.lrs = lrs
+        self.lr = lrs[0] if lrs else None
         self.skipped = False
         self._losses = losses
         self._divisor = divisor
+        self._by_items = by_items
+        self._alone = alone
+        self._global = global_totals
         self._loss: torch.Tensor | None = None
 
     @property
     def loss(self) -> torch.Tensor | None:
-        """The window's loss, a detached 0-dim tensor; ``None`` off the boundary.
+        """The window's loss on this rank, a detached 0-dim tensor; ``None`` off the
+        boundary.
 
         The mean of the microbatch losses, or with ``num_items`` the summed losses over
         the window's items. Computed on first read, so an unread loss costs nothing.
@@ -101,9 +117,49 @@ class Step:
             self._loss = total / self._divisor
         return self._loss
 
+    @property
+    def num_items(self) -> int | torch.Tensor | None:
+        """This rank's items in the window (the sum of its ``num_items``, as passed: an
+        int, or a 0-dim tensor); ``None`` in mean mode and off the boundary."""
+        return self._divisor if self._by_items and self._losses else None
+
+    @property
+    def global_loss(self) -> torch.Tensor | None:
+        """The window's loss over every rank, the same on each, a detached 0-dim tensor.
+
+        With ``num_items``: the summed losses of every rank's items over their total,
+        which rides on the item total's all-reduce (no extra collective or host sync).
+        In mean mode: the mean of the ranks' window losses, all-reduced at the boundary
+        only when the accumulator was built with ``global_loss=True`` (else ``None``
+        under several ranks). On one process it is `loss`. Reading it never launches a
+        collective; ``None`` off the boundary.
+        """
+        if not self._losses:
+            return None
+        if self._alone:
+            return self.loss
+        totals = self._global
+        if totals is None or totals.ndim == 0:
+            return totals
+        # items mode: (items, summed losses) over the ranks, in float64.
+        self._global = (totals[1] / totals[0]).to(self._losses[0].dtype)
+        return self._global
+
     def __repr__(self) -> str:
-        fields = ("boundary", "global_step", "loss", "grad_norm", "lr", "skipped")
-        return f"Step({', '.join(f'{name}={getattr(self, name)!r}' for name in fields)})"
+        fields = (
+            "boundary",
+            "global_step",
+            "loss",
+            "global_loss",
+            "num_items",
+            "grad_norm",
+            "lr",
+            "skipped",
+        )
+        shown = [f"{name}={getattr(self, name)!r}" for name in fields]
+        if len(self.lrs) > 1:
+            shown.insert(-1, f"lrs={self.lrs!r}")
+        return f"Step({', '.join(shown)})"
 
 
 class Accumulator:
@@ -111,15 +167,26 @@ class Accumulator:
 
     Args:
         model: The module whose forward produces the losses.
-        optimizer: Steps once per window; the accumulator owns its ``step()`` and
-            ``zero_grad()`` from now on, and clears any gradient it finds.
-        scheduler: Optional LR scheduler, stepped once per applied window.
+        optimizer: An optimizer, or a sequence of them (a Muon + AdamW split), each on
+            its own share of the model's parameters; one window steps every one of them
+            once, in the order given. The accumulator owns their ``step()`` and
+            ``zero_grad()`` from now on, and clears any gradient it finds. Accelerate's
+            prepared optimizer is unwrapped: gradaccum steps the optimizer it wraps.
+        scheduler: Optional LR scheduler, stepped once per applied window: with one
+            optimizer, a scheduler or None; with several, None or a sequence with one
+            entry per optimizer, in their order (a scheduler on that optimizer, or None).
+            Accelerate's prepared scheduler is unwrapped, so it steps once per window
+            on any number of processes.
         steps: Microbatches per optimizer step (``1``: no accumulation).
-        max_grad_norm: Clip the window's gradient to this total norm at the boundary
-            (``math.inf`` reports the norm without clipping).
+        max_grad_norm: Clip the window's gradient to this total norm at the boundary,
+            one norm over every optimizer's parameters (``math.inf`` reports the norm
+            without clipping).
         scaler: An enabled ``torch.amp.GradScaler``: every microstep's loss is scaled,
             and the gradient is unscaled, clipped, stepped and the scale updated once
-            per window. A disabled scaler is the same as none.
+            per window (each optimizer unscaled and stepped, the scale updated once). A
+            disabled scaler is the same as none. With several optimizers the window's
+            gradient is checked for inf/NaN at the boundary (one host sync), so that
+            either every optimizer steps or none does.
         drop_last: In `epoch`, skip each epoch's trailing microbatches that do not fill
             a window; when False they form one shorter window, scaled by its length.
         sync: When a wrapped model communicates gradients. ``"auto"`` defers to the
@@ -129,18 +196,32 @@ class Accumulator:
             unwrapped module never communicates, so all three agree.
         on_nonfinite: What a window whose gradient holds inf/NaN does at its boundary:
             ``None`` (no check, no cost, as plain PyTorch), ``"raise"`` `NonFiniteError`
-            naming the window, or ``"skip"`` the whole window. A check costs one host
-            sync per window, and one scalar all-reduce when several ranks hold the
-            gradients, so that every rank decides the same. With a GradScaler, which
-            skips overflowing windows by design, only ``None`` and ``"skip"`` apply.
+            naming the window, or ``"skip"`` the whole window (every optimizer and
+            scheduler). A check costs one host sync per window, and one scalar
+            all-reduce when several ranks hold the gradients, so that every rank decides
+            the same. With a GradScaler, which skips overflowing windows by design, only
+            ``None`` and ``"skip"`` apply.
+        global_loss: In mean mode under several ranks, all-reduce each window's loss at
+            its boundary (one scalar all-reduce per window) for `Step.global_loss`. With
+            ``num_items`` it is free and always there; on one process it is the loss.
 
     Raises:
-        UsageError: The optimizer is owned by another open accumulator whose window is
+        UsageError: An optimizer is owned by another open accumulator whose window is
             open (one between windows is closed, with a warning, and this one takes over).
         ConfigTypeError: An argument has the wrong type.
-        ConfigError: An argument has a value outside what is accepted, the model has
-            no trainable parameter or the optimizer holds none of them, or the model's
-            wrapping cannot defer as ``sync`` asks (DDP with ``static_graph=True``).
+        ConfigError: An argument has a value outside what is accepted, the model has no
+            trainable parameter, an optimizer holds none of them, two optimizers share
+            a parameter, the schedulers do not line up with the optimizers, or the
+            model's wrapping cannot defer as ``sync`` asks (DDP with
+            ``static_graph=True``).
+
+    Attributes:
+        model: The model, as given.
+        optimizer: The optimizer argument, as given (one, or the sequence).
+        scheduler: The scheduler argument, as given.
+        optimizers: The optimizers the accumulator steps, in order (Accelerate's
+            prepared ones unwrapped).
+        schedulers: Their schedulers, one entry per optimizer (None where it has none).
 
     Examples:
         >>> model = torch.nn.Linear(3, 1)
@@ -157,7 +238,7 @@ class Accumulator:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
         scheduler: Any = None,
         *,
         steps: int = 1,
@@ -166,27 +247,35 @@ class Accumulator:
         drop_last: bool = True,
         sync: SyncPolicy = "auto",
         on_nonfinite: NonFinitePolicy | None = None,
+        global_loss: bool = False,
     ) -> None:
-        params = checks.check_parts(model, optimizer, scheduler)
-        steps = check_steps(steps)
         scaler = checks.check_scaler(scaler)
+        parts = checks.check_parts(model, optimizer, scheduler, scaler)
+        steps = check_steps(steps)
         self._options = _Options(
             max_grad_norm=checks.check_max_grad_norm(max_grad_norm),
             scaler=scaler,
             drop_last=check_bool(drop_last, "drop_last"),
             sync=checks.check_choice(sync, "sync", get_args(SyncPolicy)),
             on_nonfinite=checks.check_on_nonfinite(on_nonfinite, scaler),
+            global_loss=check_bool(global_loss, "global_loss"),
+            # With several optimizers the scaler would skip each on its own: one check
+            # decides for all of them.
+            check_finite=on_nonfinite is not None
+            or (scaler is not None and len(parts.optimizers) > 1),
         )
-        previous = _owner_between_windows(optimizer)
+        previous = _owners_between_windows(parts.optimizers)
         self.model = model
         self._strategy = self._strategy_for(steps)
         # Everything is validated: from here on the accumulator changes state.
-        if previous is not None:
-            previous._take_over()
+        for owner in previous:
+            owner._take_over()
         self.optimizer = optimizer
         self.scheduler = scheduler
+        self.optimizers = parts.optimizers
+        self.schedulers = parts.schedulers
         self._steps = steps
-        self._ranks = Ranks(self._strategy.group, params[0].device)
+        self._ranks = Ranks(self._strategy.group, parts.params[0].device)
         self._window = Window(steps)
         self._plan = EpochPlan(self._options.drop_last)
         self._life = Lifecycle()
@@ -195,8 +284,11 @@ class Accumulator:
         self._global_step = 0
         self._skipped = 0
         self._armed: bool | None = None  # what the strategy was last told
-        optimizer.zero_grad(set_to_none=True)
-        self._stepper = stepping.Stepper(self, optimizer, scheduler, scaler, self._open_where)
+        for each in parts.optimizers:
+            each.zero_grad(set_to_none=True)
+        self._stepper = stepping.Stepper(
+            self, parts.optimizers, parts.schedulers, scaler, self._open_where
+        )
         self._unguard = (
             faults.guard_forwards(model, self._forward_failed) if self._ranks.count > 1 else None
         )
@@ -379,7 +471,7 @@ class Accumulator:
                     if window.done:
                         self._grads.update()
                     else:
-                        self._grads.start(self.optimizer)
+                        self._grads.start(self.optimizers)
                 return self._block.idle
             self._block.step = self._prepare_boundary()
         except BaseException as error:
@@ -424,24 +516,30 @@ class Accumulator:
 
     def _prepare_boundary(self) -> Step:
         """Normalize, unscale, clip and check the window's gradient: what the block sees."""
-        window, options = self._window, self._options
-        params = boundary.params_of(self.optimizer)
+        window, options, ranks = self._window, self._options, self._ranks
+        params = boundary.params_of(self.optimizers)
         divisor: int | torch.Tensor = len(window.losses)
+        totals = None  # the window's loss over the ranks, for step.global_loss
         if window.by_items:
-            divisor = boundary.normalize(params, window, self._ranks)
+            divisor, totals = boundary.normalize(params, window, ranks)
         else:
             boundary.rescale(params, window)
+            if options.global_loss and ranks.count > 1:
+                totals = boundary.global_mean(window, ranks)
         self._stepper.unscale()
-        norm = boundary.clip(self._strategy, params, options.max_grad_norm)
+        norm = boundary.clip(self._strategy, params, options.max_grad_norm, self.model)
         step = Step(
             boundary=True,
             global_step=self._global_step + 1,
             losses=window.losses,
             divisor=divisor,
+            by_items=window.by_items,
             grad_norm=norm,
-            lr=stepping.learning_rate(self.optimizer),
+            lrs=tuple(map(stepping.learning_rate, self.optimizers)),
+            alone=ranks.count == 1,
+            global_totals=totals,
         )
-        if options.on_nonfinite is not None and not boundary.all_finite(params, norm, self._ranks):
+        if options.check_finite and not boundary.all_finite(params, norm, ranks):
             if options.on_nonfinite == "raise":
                 msg = (
                     f"the gradient of window {step.global_step} (the optimizer step after "
@@ -751,7 +849,7 @@ class Accumulator:
                 by_items=window.by_items,
                 items=list(window.items),
                 losses=list(window.losses),
-                grads=[_grad_copy(param) for param in boundary.params_of(self.optimizer)],
+                grads=[_grad_copy(param) for param in boundary.params_of(self.optimizers)],
             )
         return dict(
             record.Checkpoint(
@@ -817,12 +915,12 @@ class Accumulator:
                 "iterated; load before the epoch loop"
             )
             raise UsageError(msg)
-        params = boundary.params_of(self.optimizer)
+        params = boundary.params_of(self.optimizers)
         if saved.window is not None:
             self._check_window_fits(saved.window, params)
         self._global_step = saved.global_step
         self._skipped = saved.skipped_steps
-        self._stepper.reread_scheduler()
+        self._stepper.reread_schedulers()
         done = 0 if saved.window is None else saved.window.microsteps
         self._plan.load(saved.position, done, epochs_completed=saved.epochs_completed)
         self._clear_window()
@@ -834,7 +932,7 @@ class Accumulator:
             window.divisor, window.by_items = saved.window.divisor, saved.window.by_items
             window.items, window.losses = list(saved.window.items), list(saved.window.losses)
             if self._strategy.grads_in_params:
-                self._grads.start(self.optimizer)
+                self._grads.start(self.optimizers)
             self._arm()
 
     def _check_window_fits(self, window: record.SavedWindow, params: list[torch.Tensor]) -> None:
@@ -852,7 +950,7 @@ class Accumulator:
     # Lifetime ---------------------------------------------------------------------
 
     def close(self) -> None:
-        """Remove the optimizer hook and restore any sync state set on the model."""
+        """Remove the optimizers' hooks and restore any sync state set on the model."""
         self._life.close()
         self._release()
 
@@ -882,8 +980,10 @@ class Accumulator:
         self.close()
 
     def __repr__(self) -> str:
+        names = ", ".join(type(optimizer).__name__ for optimizer in self.optimizers)
+        several = f"optimizers=({names}), " if len(self.optimizers) > 1 else ""
         return (
-            f"Accumulator(steps={self._steps}, global_step={self._global_step}, "
+            f"Accumulator({several}steps={self._steps}, global_step={self._global_step}, "
             f"window={self._window.done}/{self._window.size})"
         )
 
@@ -897,6 +997,8 @@ class _Options:
     drop_last: bool
     sync: SyncPolicy
     on_nonfinite: NonFinitePolicy | None
+    global_loss: bool
+    check_finite: bool  # the boundary checks the gradient for inf/NaN
 
 
 class _Microstep:
@@ -929,20 +1031,27 @@ class _Microstep:
 # Helpers -----------------------------------------------------------------------
 
 
-def _owner_between_windows(optimizer: torch.optim.Optimizer) -> Accumulator | None:
-    """The open accumulator that owns ``optimizer``, if any, to be taken over.
+def _owners_between_windows(
+    optimizers: Sequence[torch.optim.Optimizer],
+) -> list[Accumulator]:
+    """The open accumulators that own any of ``optimizers``, to be taken over.
 
     Raises:
-        UsageError: Its window is open: taking over would lose that window.
+        UsageError: One's window is open: taking over would lose that window.
     """
-    previous: Accumulator | None = stepping.owner_of(optimizer)
-    if previous is not None and previous._window.is_open:
-        msg = (
-            f"optimizer is owned by another open Accumulator, whose window is open "
-            f"({previous._window.where()}); finish that window and close() it, or pass "
-            "another optimizer"
-        )
-        raise UsageError(msg)
+    previous: list[Accumulator] = []
+    for optimizer in optimizers:
+        owner: Accumulator | None = stepping.owner_of(optimizer)
+        if owner is None or any(owner is seen for seen in previous):
+            continue
+        if owner._window.is_open:
+            msg = (
+                f"optimizer is owned by another open Accumulator, whose window is open "
+                f"({owner._window.where()}); finish that window and close() it, or pass "
+                "another optimizer"
+            )
+            raise UsageError(msg)
+        previous.append(owner)
     return previous
 
 

@@ -1,48 +1,85 @@
 """The tensor work at a window's boundary, in the order it runs: normalize, then (the
-stepper's unscale) clip and check. Each step reads the optimizer's parameters as they are
-now, so parameters added with ``optimizer.add_param_group`` are treated like the others.
-No host sync unless the check is asked for."""
+stepper's unscale) clip and check, over every optimizer's parameters. Each step reads
+the optimizers' parameters as they are now, so parameters added with
+``optimizer.add_param_group`` are treated like the others. No host sync unless the check
+is asked for."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
+from torch import nn
 
 from gradaccum.errors import ConfigError
 from gradaccum.ranks import Ranks
 from gradaccum.sync import SyncStrategy, grad_norm
 from gradaccum.window import Window
 
-__all__ = ["all_finite", "clip", "normalize", "params_of", "rescale", "scale_grads"]
+__all__ = [
+    "all_finite",
+    "clip",
+    "global_mean",
+    "in_model_order",
+    "normalize",
+    "params_of",
+    "rescale",
+    "scale_grads",
+]
 
 
-def params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The optimizer's parameters as they are now, each once, in order."""
+def params_of(optimizers: Iterable[torch.optim.Optimizer]) -> list[torch.Tensor]:
+    """The optimizers' parameters as they are now, each once, in order."""
     seen: dict[int, torch.Tensor] = {}
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            seen.setdefault(id(param), param)
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                seen.setdefault(id(param), param)
     return list(seen.values())
 
 
-def normalize(params: list[torch.Tensor], window: Window, ranks: Ranks) -> int | torch.Tensor:
+def normalize(
+    params: list[torch.Tensor], window: Window, ranks: Ranks
+) -> tuple[int | torch.Tensor, torch.Tensor | None]:
     """Turn the window's summed gradient into the item-mean over every rank's window: divide
-    by the items summed over the ranks (one scalar all-reduce, in float64) and undo the
-    wrapper's averaging over the ranks. Returns this rank's item total, for ``step.loss``.
+    by the items summed over the ranks (one all-reduce, in float64) and undo the wrapper's
+    averaging over the ranks.
+
+    Returns:
+        This rank's item total, for ``step.loss``; and under several ranks the items and
+        the summed losses over every rank (a float64 pair, from the same all-reduce), for
+        ``step.global_loss``.
 
     Raises:
         ConfigError: One process, whose int item counts sum to 0.
     """
     local: int | torch.Tensor = sum(window.items, start=0)
-    if ranks.count == 1 and not isinstance(local, torch.Tensor):
+    if ranks.count == 1:
+        if isinstance(local, torch.Tensor):
+            scale_grads(params, 1 / local.to(ranks.device, torch.float64))
+            return local, None
         if local == 0:
             msg = f"the {window.done + 1} microsteps of this window passed num_items summing to 0"
             raise ConfigError(msg)
         scale_grads(params, 1 / local)
-        return local
-    # A copy, summed over the ranks in place: `local` stays this rank's, for step.loss.
-    total = torch.as_tensor(local).to(ranks.device, torch.float64, copy=True)
-    scale_grads(params, ranks.count / ranks.total(total))
-    return local
+        return local, None
+    # A new tensor, summed over the ranks in place: `local` stays this rank's, for step.loss.
+    totals = torch.stack(
+        [
+            torch.as_tensor(local).to(ranks.device, torch.float64),
+            torch.stack(window.losses).to(ranks.device, torch.float64).sum(),
+        ]
+    )
+    ranks.total(totals)
+    scale_grads(params, ranks.count / totals[0])
+    return local, totals
+
+
+def global_mean(window: Window, ranks: Ranks) -> torch.Tensor:
+    """The mean over the ranks of their window losses (mean mode): one scalar all-reduce."""
+    mean = torch.stack(window.losses).sum() / len(window.losses)
+    total = mean.to(ranks.device, torch.float64)
+    return (ranks.total(total) / ranks.count).to(mean.dtype)
 
 
 def rescale(params: list[torch.Tensor], window: Window) -> None:
@@ -53,13 +90,28 @@ def rescale(params: list[torch.Tensor], window: Window) -> None:
 
 
 def clip(
-    strategy: SyncStrategy, params: list[torch.Tensor], max_norm: float | None
+    strategy: SyncStrategy, params: list[torch.Tensor], max_norm: float | None, model: nn.Module
 ) -> torch.Tensor | None:
     """Clip the window's gradient to ``max_norm`` (the wrapper's own clipping where it has
-    one); return the total norm before clipping, a 0-dim tensor, or None without clipping."""
+    one); return the total norm before clipping, a 0-dim tensor, or None without clipping.
+
+    The norm runs over ``params`` in the model's order (then those outside the model), so
+    that it is bit for bit what ``clip_grad_norm_(model.parameters(), max_norm)`` computes
+    in a hand loop, whatever the optimizers' order.
+    """
     if max_norm is None:
         return None
-    return strategy.clip_grad_norm(params, max_norm)
+    return strategy.clip_grad_norm(in_model_order(model, params), max_norm)
+
+
+def in_model_order(model: nn.Module, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``params`` in the order of ``model.parameters()``, then those the model lacks."""
+    held = {id(param) for param in params}
+    ordered: list[torch.Tensor] = [param for param in model.parameters() if id(param) in held]
+    if len(ordered) == len(params):
+        return ordered
+    inside = {id(param) for param in ordered}
+    return ordered + [param for param in params if id(param) not in inside]
 
 
 def all_finite(params: list[torch.Tensor], norm: torch.Tensor | None, ranks: Ranks) -> bool:

@@ -5,18 +5,21 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Literal, TypeVar, get_args
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar, get_args
 
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
+from gradaccum import foreign
 from gradaccum.boundary import params_of
 from gradaccum.errors import ConfigError, ConfigTypeError, describe
 from gradaccum.schedule import check_count
 
 __all__ = [
     "NonFinitePolicy",
+    "Parts",
     "check_choice",
     "check_max_grad_norm",
     "check_num_items",
@@ -32,14 +35,34 @@ NonFinitePolicy = Literal["raise", "skip"]
 """What `Accumulator` does with a window whose gradient holds inf/NaN (``None``: nothing)."""
 
 
-def check_parts(model: object, optimizer: object, scheduler: object) -> list[torch.Tensor]:
-    """Check the model, optimizer and scheduler together; return the optimizer's
-    parameters, each once, in order."""
+@dataclass(frozen=True)
+class Parts:
+    """The checked optimizers and schedulers, with the torch objects Accelerate's prepared
+    ones wrap in their place.
+
+    Attributes:
+        optimizers: Every optimizer, in the order given.
+        schedulers: One entry per optimizer, in the same order: its scheduler or None.
+        params: Every optimizer's parameters, each once, in order.
+    """
+
+    optimizers: tuple[torch.optim.Optimizer, ...]
+    schedulers: tuple[Any, ...]
+    params: list[torch.Tensor]
+
+
+def check_parts(
+    model: object, optimizer: object, scheduler: object, scaler: object = None
+) -> Parts:
+    """Check the model, the optimizer(s) and the scheduler(s) together, before any work.
+
+    ``optimizer`` is one optimizer or a sequence of them; ``scheduler`` is None, one
+    scheduler (with one optimizer), or a sequence with an entry (a scheduler or None)
+    for each optimizer. ``scaler`` is the checked GradScaler, which Accelerate's prepared
+    fp16 optimizer must be given.
+    """
     if not isinstance(model, nn.Module):
         msg = f"model must be a torch.nn.Module, got {describe(model)}"
-        raise ConfigTypeError(msg)
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        msg = f"optimizer must be a torch.optim.Optimizer, got {describe(optimizer)}"
         raise ConfigTypeError(msg)
     trainable = {id(param) for param in model.parameters() if param.requires_grad}
     if not trainable:
@@ -48,36 +71,197 @@ def check_parts(model: object, optimizer: object, scheduler: object) -> list[tor
             "is nothing to accumulate; unfreeze some parameters (requires_grad_(True))"
         )
         raise ConfigError(msg)
-    params = params_of(optimizer)
-    if not any(id(param) in trainable for param in params):
+    named = _entries(optimizer, "optimizer", "a torch.optim.Optimizer")
+    optimizers = tuple(_optimizer(value, name, scaler) for name, value in named)
+    _check_holdings(model, trainable, [name for name, _ in named], optimizers)
+    return Parts(
+        optimizers=optimizers,
+        schedulers=_schedulers(scheduler, optimizers, [name for name, _ in named]),
+        params=params_of(optimizers),
+    )
+
+
+def _entries(value: object, name: str, one: str) -> list[tuple[str, object]]:
+    """``value`` as ``(name, entry)`` pairs: itself, or the entries of a list or tuple
+    (``name[i]``).
+
+    Raises:
+        ConfigError: An empty sequence.
+    """
+    if not isinstance(value, (list, tuple)):
+        return [(name, value)]
+    if not value:
+        msg = f"{name} is an empty {type(value).__name__}; pass {one} or a sequence of them"
+        raise ConfigError(msg)
+    return [(f"{name}[{index}]", entry) for index, entry in enumerate(value)]
+
+
+def _optimizer(value: object, name: str, scaler: object) -> torch.optim.Optimizer:
+    """``value`` as the torch optimizer gradaccum steps: Accelerate's prepared optimizer is
+    unwrapped (see gradaccum.foreign); anything else must be an optimizer with torch's
+    step hooks."""
+    prepared = foreign.prepared_optimizer(value)
+    if prepared is not None:
+        value, its_scaler = prepared
+        if its_scaler is not None and its_scaler is not scaler:
+            msg = (
+                f"{name} is Accelerate's prepared optimizer, which steps through "
+                "Accelerate's GradScaler (mixed_precision='fp16'); pass "
+                "scaler=accelerator.scaler to the Accumulator, which then scales, unscales "
+                "and steps with it"
+            )
+            raise ConfigError(msg)
+    wrapped = getattr(value, "optimizer", None)
+    forward = (
+        f"; pass the torch optimizer it wraps, {name}.optimizer (a "
+        f"{type(wrapped).__name__}), if its step() only forwards to it"
+        if isinstance(wrapped, torch.optim.Optimizer) and wrapped is not value
+        else ""
+    )
+    if not isinstance(value, torch.optim.Optimizer):
         msg = (
-            "optimizer holds none of the model's trainable parameters, so no step would "
-            "change the model; build it on model.parameters()"
+            f"{name} must be a torch.optim.Optimizer or a sequence of them, got "
+            f"{describe(value)}{forward}"
+        )
+        raise ConfigTypeError(msg)
+    if not hasattr(value, "_optimizer_step_pre_hooks"):
+        msg = (
+            f"{name} is a {type(value).__name__} that never ran torch.optim.Optimizer's "
+            f"__init__, so it has no step hooks for gradaccum to watch its steps{forward}"
+            f"{'' if forward else '; call super().__init__(params, defaults) in its __init__'}"
+        )
+        raise ConfigTypeError(msg)
+    _refuse_closure_optimizer(value, name)
+    return value
+
+
+def _check_holdings(
+    model: nn.Module,
+    trainable: set[int],
+    names: list[str],
+    optimizers: tuple[torch.optim.Optimizer, ...],
+) -> None:
+    """Every optimizer holds some of the model's trainable parameters, and no parameter is
+    held by two of them.
+
+    Raises:
+        ConfigError: One holds none, or two share a parameter (or are the same object).
+    """
+    holder: dict[int, int] = {}
+    for index, (name, optimizer) in enumerate(zip(names, optimizers, strict=True)):
+        for first in range(index):
+            if optimizers[first] is optimizer:
+                msg = (
+                    f"{names[first]} and {name} are the same {type(optimizer).__name__}; "
+                    "pass each optimizer once"
+                )
+                raise ConfigError(msg)
+        params = params_of((optimizer,))
+        if not any(id(param) in trainable for param in params):
+            several = len(optimizers) > 1
+            msg = (
+                f"{name}{f' ({type(optimizer).__name__})' if several else ''} holds none of "
+                "the model's trainable parameters, so no step would change the model; build "
+                f"{'each optimizer on some of' if several else 'it on'} model.parameters()"
+            )
+            raise ConfigError(msg)
+        for param in params:
+            first = holder.setdefault(id(param), index)
+            if first != index:
+                msg = (
+                    f"{names[first]} ({type(optimizers[first]).__name__}) and {name} "
+                    f"({type(optimizer).__name__}) both hold the parameter "
+                    f"{_param_name(model, param)}, which would be updated twice a window; "
+                    "give each parameter to one optimizer"
+                )
+                raise ConfigError(msg)
+
+
+def _param_name(model: nn.Module, param: torch.Tensor) -> str:
+    for name, candidate in model.named_parameters():
+        if candidate is param:
+            return repr(name)
+    return f"of shape {tuple(param.shape)}"
+
+
+def _schedulers(
+    scheduler: object, optimizers: tuple[torch.optim.Optimizer, ...], names: list[str]
+) -> tuple[Any, ...]:
+    """One scheduler (or None) per optimizer, each checked against the optimizer at its
+    position.
+
+    Raises:
+        ConfigError: A sequence of another length than the optimizers, one scheduler for
+            several optimizers, or a scheduler bound to another optimizer.
+        ConfigTypeError: An entry is not a scheduler.
+    """
+    if scheduler is None:
+        return (None,) * len(optimizers)
+    if not isinstance(scheduler, (list, tuple)):
+        if len(optimizers) > 1:
+            msg = (
+                f"scheduler is one {type(scheduler).__name__} for {len(optimizers)} "
+                "optimizers; pass a sequence with one scheduler (or None) per optimizer, in "
+                "the optimizers' order"
+            )
+            raise ConfigError(msg)
+        return (_scheduler(scheduler, "scheduler", optimizers, 0, names),)
+    if len(scheduler) != len(optimizers):
+        msg = (
+            f"scheduler has {len(scheduler)} entr{'y' if len(scheduler) == 1 else 'ies'} for "
+            f"{len(optimizers)} optimizers; pass "
+            "one scheduler (or None) per optimizer, in the optimizers' order"
         )
         raise ConfigError(msg)
-    _refuse_closure_optimizer(optimizer)
-    if scheduler is None:
-        return params
+    return tuple(
+        None
+        if entry is None
+        else _scheduler(entry, f"scheduler[{index}]", optimizers, index, names)
+        for index, entry in enumerate(scheduler)
+    )
+
+
+def _scheduler(
+    scheduler: object,
+    name: str,
+    optimizers: tuple[torch.optim.Optimizer, ...],
+    index: int,
+    names: list[str],
+) -> Any:
+    """``scheduler`` (Accelerate's prepared one unwrapped), checked to step
+    ``optimizers[index]``."""
+    scheduler = foreign.prepared_scheduler(scheduler) or scheduler
     if isinstance(scheduler, ReduceLROnPlateau):
         msg = (
-            "scheduler=ReduceLROnPlateau needs a metric for each step; pass scheduler=None "
-            "and call its step(metric) yourself after a boundary"
+            f"{name}=ReduceLROnPlateau needs a metric for each step; pass {name}=None and "
+            "call its step(metric) yourself after a boundary"
         )
         raise ConfigTypeError(msg)
     if not callable(getattr(scheduler, "step", None)):
-        msg = f"scheduler must have a step() method (an LRScheduler), got {describe(scheduler)}"
+        msg = f"{name} must have a step() method (an LRScheduler), got {describe(scheduler)}"
         raise ConfigTypeError(msg)
-    bound = getattr(scheduler, "optimizer", optimizer)
-    if bound is not optimizer:
+    expected = optimizers[index]
+    bound = getattr(scheduler, "optimizer", expected)
+    prepared = foreign.prepared_optimizer(bound)
+    bound = bound if prepared is None else prepared[0]
+    if bound is expected:
+        return scheduler
+    if any(bound is optimizer for optimizer in optimizers):
+        position = next(i for i, optimizer in enumerate(optimizers) if optimizer is bound)
         msg = (
-            f"scheduler steps another optimizer ({type(bound).__name__}) than the one given; "
+            f"{name} steps {names[position]} ({type(bound).__name__}), not {names[index]} "
+            f"({type(expected).__name__}) at its position; pass the schedulers in the "
+            "optimizers' order, None for an optimizer without one"
+        )
+    else:
+        msg = (
+            f"{name} steps another optimizer ({type(bound).__name__}) than the one given; "
             "create the scheduler on the optimizer passed to the Accumulator"
         )
-        raise ConfigError(msg)
-    return params
+    raise ConfigError(msg)
 
 
-def _refuse_closure_optimizer(optimizer: torch.optim.Optimizer) -> None:
+def _refuse_closure_optimizer(optimizer: torch.optim.Optimizer, name: str) -> None:
     """Refuse an optimizer whose ``step()`` needs a closure (LBFGS): it re-evaluates the
     loss several times per step, which a window of microbatches already back-propagated
     cannot do."""
@@ -89,7 +273,7 @@ def _refuse_closure_optimizer(optimizer: torch.optim.Optimizer) -> None:
     needed = [p.name for p in parameters if p.default is p.empty and p.kind not in variadic]
     if needed:
         msg = (
-            f"optimizer {type(optimizer).__name__} needs step({', '.join(needed)}): a "
+            f"{name} {type(optimizer).__name__} needs step({', '.join(needed)}): a "
             "closure that re-evaluates the loss, which a window of microbatches already "
             "back-propagated cannot provide; closure optimizers (LBFGS) are not supported, "
             "use one whose step() takes no argument (SGD, Adam, ...) or step it yourself"

@@ -74,8 +74,13 @@ class GradaccumWarning(UserWarning):
 
 
 def describe(value: object) -> str:
-    """Render a value as the user wrote it, with its type: ``True (bool)``."""
-    return f"{value!r} ({type(value).__name__})"
+    """Render a value as the user wrote it, with its type: ``True (bool)``; an object whose
+    repr would not fit on a line (an optimizer, a dict of them) by its type alone: ``a
+    dict``."""
+    text = repr(value)
+    if "\n" in text or len(text) > 60:
+        return f"an object of type {type(value).__name__}"
+    return f"{text} ({type(value).__name__})"
 
 
 _INTERNAL = ("gradaccum.", "torch.", "contextlib")

@@ -26,77 +26,87 @@ def owner_of(optimizer: torch.optim.Optimizer) -> Any:
 
 
 class Stepper:
-    """Steps the optimizer, scaler and scheduler for one accumulator.
+    """Steps the optimizers, the scaler and the schedulers for one accumulator.
 
-    The optimizer's step pre-hook refuses ``optimizer.step()`` by hand inside a window and
-    warns about it between windows; a scheduler whose ``last_epoch`` moved between the
-    accumulator's steps was stepped by hand, which is reported at the next step.
+    One window steps every optimizer once, in order, then every scheduler once (an
+    optimizer's entry may be None). Each optimizer's step pre-hook refuses
+    ``optimizer.step()`` by hand inside a window and warns about it between windows; a
+    scheduler whose ``last_epoch`` moved between the accumulator's steps was stepped by
+    hand, which is reported at its next step.
 
     Attributes:
-        applied: The current window's optimizer step has run (its scheduler step may
+        applied: The current window's optimizer steps have run (a scheduler step may
             still fail): the window is applied.
     """
 
     def __init__(
         self,
         owner: object,
-        optimizer: torch.optim.Optimizer,
-        scheduler: Any,
+        optimizers: tuple[torch.optim.Optimizer, ...],
+        schedulers: tuple[Any, ...],
         scaler: torch.amp.GradScaler | None,
         where: Callable[[], str | None],
     ) -> None:
-        self.optimizer = optimizer
-        self.scheduler = scheduler
+        self.optimizers = optimizers
+        self.schedulers = schedulers
         self.scaler = scaler
         self.applied = False
         self._where = where  # "microstep k of n" while a window is open, else None
         self._stepping = False
         self._unscaled = False
-        self._scheduled = _last_epoch(scheduler)
-        self._watch = self._scheduled is not None
-        self._hook = optimizer.register_step_pre_hook(self._foreign_step)
-        _owners[optimizer] = weakref.ref(owner)
+        self._scheduled = [_last_epoch(scheduler) for scheduler in schedulers]
+        self._hooks = [
+            optimizer.register_step_pre_hook(self._foreign_step) for optimizer in optimizers
+        ]
+        for optimizer in optimizers:
+            _owners[optimizer] = weakref.ref(owner)
 
     def unscale(self) -> None:
         """Unscale the window's gradient (once, at its boundary) when there is a scaler."""
         if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
+            for optimizer in self.optimizers:
+                self.scaler.unscale_(optimizer)
             self._unscaled = True
 
     def apply(self) -> bool:
-        """Step the optimizer (and scaler), then the scheduler; return whether the scaler
-        skipped the step (found inf/NaN), in which case the scheduler does not step."""
+        """Step every optimizer (through the scaler), then every scheduler; return whether
+        the scaler skipped the step (found inf/NaN), in which case no scheduler steps.
+        With several optimizers the accumulator has checked the gradient first, so that
+        the scaler steps all of them or none."""
         self._stepping = True
         try:
             if self.scaler is None:
-                self.optimizer.step()
+                for optimizer in self.optimizers:
+                    optimizer.step()
                 skipped = False
             else:
                 scale = self.scaler.get_scale()
-                self.scaler.step(self.optimizer)
+                for optimizer in self.optimizers:
+                    self.scaler.step(optimizer)
                 self.scaler.update()
                 skipped = self.scaler.get_scale() < scale  # it shrinks only on a skip
             self.applied = True
-            if self.scheduler is not None and not skipped:
-                self._step_scheduler()
+            if not skipped:
+                for index, scheduler in enumerate(self.schedulers):
+                    if scheduler is not None:
+                        self._step_scheduler(index, scheduler)
         finally:
             self._stepping = False
         return skipped
 
-    def _step_scheduler(self) -> None:
-        if self._watch:
-            moved = self.scheduler.last_epoch
-            if self._scheduled is not None and moved != self._scheduled:
-                warn(
-                    f"the scheduler was stepped outside the accumulator (its last_epoch "
-                    f"moved from {self._scheduled} to {moved} between the accumulator's "
-                    "steps); the accumulator steps it once per applied window: remove the "
-                    "scheduler.step() call (after loading a scheduler's state, also load "
-                    "the accumulator's)"
-                )
-        self.scheduler.step()
-        if self._watch:
-            self._scheduled = self.scheduler.last_epoch
+    def _step_scheduler(self, index: int, scheduler: Any) -> None:
+        scheduled = self._scheduled[index]
+        moved = _last_epoch(scheduler)
+        if scheduled is not None and moved is not None and moved != scheduled:
+            warn(
+                f"the scheduler was stepped outside the accumulator (its last_epoch "
+                f"moved from {scheduled} to {moved} between the accumulator's "
+                "steps); the accumulator steps it once per applied window: remove the "
+                "scheduler.step() call (after loading a scheduler's state, also load "
+                "the accumulator's)"
+            )
+        scheduler.step()
+        self._scheduled[index] = _last_epoch(scheduler)
 
     def skip(self) -> None:
         """A window skipped for inf/NaN: no optimizer or scheduler step; the scale backs off
@@ -115,19 +125,22 @@ class Stepper:
             # Clear the scaler's per-optimizer record of unscale_() without moving the scale.
             self.scaler.update(self.scaler.get_scale())
         self._unscaled = self.applied = False
-        self.optimizer.zero_grad(set_to_none=True)
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
 
-    def reread_scheduler(self) -> None:
-        """The scheduler's state may have been loaded: take its ``last_epoch`` as ours."""
-        self._scheduled = None
+    def reread_schedulers(self) -> None:
+        """The schedulers' states may have been loaded: take their ``last_epoch`` as ours."""
+        self._scheduled = [None] * len(self.schedulers)
 
     def release(self, owner: object) -> None:
-        """Remove the hook; the optimizer is no longer owned by ``owner``."""
-        self._hook.remove()
-        if owner_of(self.optimizer) is owner:
-            del _owners[self.optimizer]
+        """Remove the hooks; the optimizers are no longer owned by ``owner``."""
+        for hook in self._hooks:
+            hook.remove()
+        for optimizer in self.optimizers:
+            if owner_of(optimizer) is owner:
+                del _owners[optimizer]
 
-    def _foreign_step(self, *_: object) -> None:
+    def _foreign_step(self, optimizer: torch.optim.Optimizer, *_: object) -> None:
         if self._stepping:
             return
         where = self._where()
@@ -138,7 +151,7 @@ class Stepper:
                 "exits: remove the call"
             )
             raise UsageError(msg)
-        if all(_is_zero(group.get("lr")) for group in self.optimizer.param_groups):
+        if all(_is_zero(group.get("lr")) for group in optimizer.param_groups):
             return  # changes nothing: torch.distributed.checkpoint creating a fresh state
         warn(
             "optimizer.step() was called between windows while an Accumulator owns the "
@@ -150,7 +163,7 @@ class Stepper:
 def learning_rate(optimizer: torch.optim.Optimizer) -> float | torch.Tensor | None:
     """The first parameter group's learning rate as it is now: a copy when it is a tensor
     (which the scheduler changes in place), None when the group has no ``"lr"``."""
-    lr = optimizer.param_groups[0].get("lr")
+    lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
     return lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
 
 

@@ -34,6 +34,7 @@ from functools import lru_cache
 import torch
 
 LR, LR_EXTRA, GAMMA, MOMENTUM, MAX_NORM = 0.1, 0.05, 0.9, 0.5, 0.5
+LR_BIAS, GAMMA_BIAS = 0.2, 0.7  # the second optimizer's, when the bias has one of its own
 OVERFLOW = 1e290  # finite, but overflows float64 once scaled by the scaler's 2**100
 EXTRA_INIT = 0.25  # the extra scalar parameter of `optimizer.add_param_group`
 
@@ -88,8 +89,12 @@ class Contract:
     on_nonfinite: str | None
     clip: bool
     params: dict[str, torch.Tensor]
+    # Two optimizers: the weight's (SGD, StepLR by GAMMA) and the bias's (SGD at LR_BIAS,
+    # its StepLR by GAMMA_BIAS, or none), which an added group joins; else one for all.
+    split: bool = False
+    bias_scheduled: bool = True
     momentum: dict[str, torch.Tensor] = field(default_factory=dict)
-    lrs: list[float] = field(default_factory=lambda: [LR])
+    lrs: dict[str, float] = field(default_factory=dict)  # by parameter
     windows: int = 0
     skipped: int = 0
     window: list[tuple[Micro, bool]] = field(default_factory=list)  # (microbatch, by_items)
@@ -113,13 +118,21 @@ class Contract:
 
     def __post_init__(self) -> None:
         self.size = self.steps
+        self.lrs = {"weight": LR, "bias": LR_BIAS if self.split else LR}
+
+    def gamma(self, name: str) -> float:
+        """How the learning rate of parameter ``name`` decays per applied window."""
+        if name == "weight" or not self.split:
+            return GAMMA
+        return GAMMA_BIAS if self.bias_scheduled else 1.0
 
     # Gradients and the optimizer ---------------------------------------------------
 
     def add_extra(self) -> None:
-        """``optimizer.add_param_group`` with the extra scalar (lr ``LR_EXTRA``)."""
+        """``optimizer.add_param_group`` with the extra scalar (lr ``LR_EXTRA``), on the last
+        optimizer."""
         self.params["extra"] = torch.tensor(EXTRA_INIT, dtype=torch.float64)
-        self.lrs.append(LR_EXTRA)
+        self.lrs["extra"] = LR_EXTRA
 
     def grads(self, micro: Micro, by_items: bool) -> dict[str, torch.Tensor]:
         """d loss / d params by hand, for ``(x @ w.T + b + extra * x[:, :1] - y)**2``
@@ -174,9 +187,8 @@ class Contract:
         for name, grad in grads.items():
             buf = self.momentum.get(name)
             self.momentum[name] = grad.clone() if buf is None else MOMENTUM * buf + grad
-            lr = self.lrs[0] if name != "extra" else self.lrs[1]
-            self.params[name] = self.params[name] - lr * self.momentum[name]
-        self.lrs = [lr * GAMMA for lr in self.lrs]
+            self.params[name] = self.params[name] - self.lrs[name] * self.momentum[name]
+        self.lrs = {name: lr * self.gamma(name) for name, lr in self.lrs.items()}
         return "applied"
 
     # Epochs -------------------------------------------------------------------------

@@ -7,8 +7,10 @@ mean losses; "int"/"tensor": summed losses with num_items as an int or a 0-dim t
 the StepLR, an optional ``change`` of ``steps`` (``epoch``, ``index``, ``when``: "top" of the
 loop body of microbatch ``index`` or "after" its block, new ``steps``) and a ``checkpoint``
 (``epoch``, ``index``, ``when``: "top", "after" or "between" epochs, ``include_grads``,
-``change_first``: at the top of the same microbatch, the change comes before it). Every rank
-runs the same scenarios in the same order, each on its own data.
+``change_first``: at the top of the same microbatch, the change comes before it), and
+``optimizers``: 1 (SGD with a StepLR on the whole model) or 2 (that on the weights, and SGD
+at ``LR_BIAS`` with a StepLR by ``GAMMA_BIAS`` on the biases). Every rank runs the same
+scenarios in the same order, each on its own data.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ import torch
 
 import gradaccum
 from tests.distributed import full_params, wrap
-from tests.helpers import Batch, load_checkpoint, make_batches, make_model, mean_loss, sum_loss
+from tests.helpers import Batch, make_batches, make_model, mean_loss, sum_loss
 
-Parts = tuple[Any, Any, Any, gradaccum.Accumulator]
+Parts = tuple[Any, list[Any], list[Any], gradaccum.Accumulator]
+LR_BIAS, GAMMA_BIAS = 0.05, 0.8  # the biases' optimizer and scheduler, with two
 
 
 def epoch_data(scenario: dict[str, Any], rank: int, epoch: int) -> Iterable[tuple[int, Batch]]:
@@ -42,20 +45,36 @@ def epoch_data(scenario: dict[str, Any], rank: int, epoch: int) -> Iterable[tupl
 
 
 def build(scenario: dict[str, Any], steps: int, stepped: list[int]) -> Parts:
-    """Fresh DDP model, SGD(lr 0.1), StepLR and accumulator; ``stepped[0]`` counts the
+    """Fresh DDP model, its optimizers (SGD, lr 0.1, on all of it or on its weights; SGD on
+    its biases), their StepLRs and the accumulator; ``stepped[0]`` counts the first
     optimizer's steps."""
     model = wrap("ddp", make_model())
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    if scenario.get("optimizers", 1) == 1:
+        optimizers = [torch.optim.SGD(model.parameters(), lr=0.1)]
+    else:
+        named = list(model.named_parameters())
+        optimizers = [
+            torch.optim.SGD([p for n, p in named if n.endswith("weight")], lr=0.1),
+            torch.optim.SGD([p for n, p in named if n.endswith("bias")], lr=LR_BIAS),
+        ]
 
     def count(*_: object) -> None:
         stepped[0] += 1
 
-    optimizer.register_step_post_hook(count)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, scenario["step_size"], gamma=0.5)
+    optimizers[0].register_step_post_hook(count)
+    schedulers = [
+        torch.optim.lr_scheduler.StepLR(optimizer, scenario["step_size"], gamma=gamma)
+        for optimizer, gamma in zip(optimizers, (0.5, GAMMA_BIAS), strict=False)
+    ]
+    several = len(optimizers) > 1
     acc = gradaccum.Accumulator(
-        model, optimizer, scheduler, steps=steps, drop_last=scenario["drop_last"]
+        model,
+        optimizers if several else optimizers[0],
+        schedulers if several else schedulers[0],
+        steps=steps,
+        drop_last=scenario["drop_last"],
     )
-    return model, optimizer, scheduler, acc
+    return model, optimizers, schedulers, acc
 
 
 def events(
@@ -78,17 +97,30 @@ def events(
 
 def save(parts: Parts, include_grads: bool) -> tuple[bytes, dict[str, Any]]:
     """Every part's state (this rank's), and the accumulator's steps, position, global_step."""
-    model, optimizer, scheduler, acc = parts
+    model, optimizers, schedulers, acc = parts
     state = {
         "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
+        "optimizers": [optimizer.state_dict() for optimizer in optimizers],
+        "schedulers": [scheduler.state_dict() for scheduler in schedulers],
         "acc": acc.state_dict(include_grads=include_grads),
     }
     buffer = io.BytesIO()
     torch.save(state, buffer)
     saved = {key: state["acc"][key] for key in ("steps", "position", "global_step")}
     return buffer.getvalue(), saved
+
+
+def load(parts: Parts, blob: bytes) -> Parts:
+    """Load `save`'s ``blob`` into fresh ``parts``."""
+    model, optimizers, schedulers, acc = parts
+    state = torch.load(io.BytesIO(blob))
+    model.load_state_dict(state["model"])
+    for optimizer, saved in zip(optimizers, state["optimizers"], strict=True):
+        optimizer.load_state_dict(saved)
+    for scheduler, saved in zip(schedulers, state["schedulers"], strict=True):
+        scheduler.load_state_dict(saved)
+    acc.load_state_dict(state["acc"])
+    return parts
 
 
 def act(
@@ -159,16 +191,16 @@ def play(scenario: dict[str, Any], rank: int, interrupted: bool) -> dict[str, An
                 assert checkpoint is not None
                 blob, seen["saved"] = stopped
                 parts[3].close()
-                parts = load_checkpoint(build(scenario, seen["saved"]["steps"], stepped), blob)
+                parts = load(build(scenario, seen["saved"]["steps"], stepped), blob)
                 resume_at = checkpoint["epoch"] + (checkpoint["when"] == "between")
                 train(scenario, rank, parts, resume_at, None)
-            model, optimizer, _, acc = parts
+            model, optimizers, _, acc = parts
             acc.close()
             seen.update(
                 params=full_params(model, "ddp"),
                 global_step=acc.global_step,
                 optimizer_steps=stepped[0],
-                lr=optimizer.param_groups[0]["lr"],
+                lr=[optimizer.param_groups[0]["lr"] for optimizer in optimizers],
             )
         except Exception as error:
             seen["error"] = f"{type(error).__name__}: {error}"

@@ -23,6 +23,7 @@ from tests.helpers import (
     make_model,
     mean_loss,
     save_checkpoint,
+    split_optimizers,
     sum_loss,
 )
 
@@ -65,6 +66,8 @@ def wrap(kind: str, model: nn.Module) -> nn.Module:
         return DistributedDataParallel(torch.compile(model))
     if kind == "fsdp1":
         return FullyShardedDataParallel(model, device_id=torch.device("cpu"))
+    if kind == "fsdp1_orig":  # the original parameters, so optimizers can split them
+        return FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True)
     if kind in ("fully_shard", "hsdp"):
         return wrapper("fully_shard" if kind == "fully_shard" else "HSDP", torch.device("cpu"))(
             model
@@ -86,7 +89,7 @@ def fully_shard_averaging_by_its_factor(model: nn.Module) -> nn.Module:
 
 def full_params(model: nn.Module, kind: str) -> list[torch.Tensor]:
     """Every parameter, whole and in the original module's order, on every rank."""
-    if kind == "fsdp1":
+    if kind.startswith("fsdp1"):
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         with FullyShardedDataParallel.summon_full_params(model):
@@ -125,12 +128,23 @@ def train(
     max_grad_norm: float | None = None,
     unsized: bool = False,
     dtype: torch.dtype = torch.float64,
+    split: bool = False,
 ) -> Training:
-    """One epoch of the design-card loop on ``sizes[rank]``; collectives counted."""
+    """One epoch of the design-card loop on ``sizes[rank]``; collectives counted. With
+    ``split``, two optimizers and their schedulers (`tests.helpers.split_optimizers`)."""
     model = wrap(kind, make_model(dtype=dtype))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer: Any = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler: Any = None
+    if split:
+        optimizer, scheduler = split_optimizers(model)
     acc = gradaccum.Accumulator(
-        model, optimizer, steps=steps, sync=sync, drop_last=drop_last, max_grad_norm=max_grad_norm
+        model,
+        optimizer,
+        scheduler,
+        steps=steps,
+        sync=sync,
+        drop_last=drop_last,
+        max_grad_norm=max_grad_norm,
     )
     counter = CollectiveCounter()
     norms = []
@@ -163,6 +177,20 @@ def train(
         warnings=[str(w.message) for w in caught],
         loss_error=max(abs(float(got - want)) for got, want in losses),
     )
+
+
+def train_split_and_single(
+    rank: int, world: int, kinds: dict[str, dict[str, Any]], sizes: list[list[int]], **options: Any
+) -> dict[str, tuple[Training, Training]]:
+    """`train` with two optimizers and with one, for each wrapping in ``kinds`` (with its
+    own options), in one launch."""
+    return {
+        kind: (
+            train(rank, world, kind, sizes, split=True, **options, **own),
+            train(rank, world, kind, sizes, **options, **own),
+        )
+        for kind, own in kinds.items()
+    }
 
 
 def train_each_policy(
@@ -442,25 +470,27 @@ def warm_up(rank: int, world: int) -> tuple[list[dict[str, int]], list[torch.Ten
     return counts, full_params(model, "ddp"), acc.global_step
 
 
-def global_losses(rank: int, world: int, sizes: list[list[int]], items: bool) -> list[Any]:
-    """One DDP epoch of the design-card loop (steps=4). Per window, the whole job's loss
-    as docs/distributed.md computes it from ``step.loss``: averaged over the ranks, and
-    weighted by each rank's items and summed."""
+def global_losses(
+    rank: int, world: int, sizes: list[list[int]], items: bool, asked: bool, reader: int | None
+) -> dict[str, Any]:
+    """One DDP epoch of the design-card loop (steps=4), ``global_loss=asked``; only rank
+    ``reader`` reads ``step.global_loss`` (every rank when None). What it read, and the
+    collectives and host syncs of the epoch's windows (the reads' ``.item()`` after them)."""
     model = wrap("ddp", make_model())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    with gradaccum.Accumulator(model, optimizer, steps=4) as acc:
-        count = 0  # this rank's items in the open window
-        for batch in acc.epoch(rank_batches(rank, sizes[rank])):
-            loss = sum_loss(model, batch) if items else mean_loss(model, batch)
-            count += len(batch[0])
-            with acc.microstep(loss, num_items=len(batch[0]) if items else None) as step:
-                if step.boundary:
-                    assert step.loss is not None
-                    averaged = step.loss.clone()
-                    dist.all_reduce(averaged, op=dist.ReduceOp.AVG)
-                    totals = torch.stack([step.loss * count, step.loss.new_tensor(count)])
-                    dist.all_reduce(totals)
-                    losses.append((averaged.item(), (totals[0] / totals[1]).item()))
-                    count = 0
-    return losses
+    counter = CollectiveCounter()
+    read = []
+    with gradaccum.Accumulator(model, optimizer, steps=4, global_loss=asked) as acc:
+        epoch = iter(acc.epoch(rank_batches(rank, sizes[rank])))
+        first = next(epoch)  # the length agreement, once per epoch: not counted
+        with counter:
+            for batch in itertools.chain([first], epoch):
+                loss = sum_loss(model, batch) if items else mean_loss(model, batch)
+                with acc.microstep(loss, num_items=len(batch[0]) if items else None) as step:
+                    if step.boundary and reader in (None, rank):
+                        read.append(step.global_loss)
+    return {
+        "read": [None if value is None else value.item() for value in read],
+        "collectives": dict(counter.ops),
+        "host_syncs": counter.host_syncs,
+    }

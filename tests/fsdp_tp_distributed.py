@@ -101,15 +101,38 @@ def parallelize(model: nn.Module, mesh: Any) -> nn.Module:
     return model
 
 
+SPLIT_LRS, SPLIT_MAX_NORM = {"weight": 0.1, "bias": 0.05}, 0.4
+
+
+def split(model: nn.Module) -> list[torch.optim.Optimizer]:
+    """Two optimizers: SGD at ``SPLIT_LRS["weight"]`` on the weights, at ``["bias"]`` on
+    the biases."""
+    return [
+        torch.optim.SGD([p for n, p in model.named_parameters() if n.endswith(kind)], lr=lr)
+        for kind, lr in SPLIT_LRS.items()
+    ]
+
+
 def train(
-    mesh: Any, sizes: list[int], *, items: bool, sync: gradaccum.SyncPolicy, steps: int
+    mesh: Any,
+    sizes: list[int],
+    *,
+    items: bool,
+    sync: gradaccum.SyncPolicy,
+    steps: int,
+    several: bool = False,
 ) -> Run:
     """One epoch of the design-card loop on this data-parallel rank's data; the collectives
-    of every window counted, and apart from them those of the epoch's length agreement."""
+    of every window counted, and apart from them those of the epoch's length agreement.
+    With ``several``, the two optimizers of `split` and one clip of the total norm."""
     model = parallelize(make_model(), mesh)
     strategy = strategy_for(model, sync)
     acc = gradaccum.Accumulator(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), steps=steps, sync=sync
+        model,
+        split(model) if several else torch.optim.SGD(model.parameters(), lr=0.1),
+        steps=steps,
+        sync=sync,
+        max_grad_norm=SPLIT_MAX_NORM if several else None,
     )
     counter, agreement = GroupCounter(), GroupCounter()
     losses = []
@@ -168,6 +191,10 @@ def scenario(
         for mode in ("mean", "items")
         for sync in ("auto", "boundary", "every")
     }
+    for mode in ("mean", "items"):
+        runs[f"split/{mode}"] = train(
+            mesh, sizes[mode][dp], items=mode == "items", sync="auto", steps=steps, several=True
+        )
     return {
         "runs": runs,
         "ranks": {

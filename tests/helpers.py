@@ -124,3 +124,55 @@ def shown_output(page: str, heading: str) -> str:
     """The first ``text`` block after ``heading`` on ``docs/<page>``: output a page shows."""
     text = (Path(__file__).resolve().parent.parent / "docs" / page).read_text(encoding="utf-8")
     return text.split(heading)[1].split("```text\n")[1].split("```")[0]
+
+
+def split_optimizers(
+    model: nn.Module, *, schedulers: bool = True
+) -> tuple[list[torch.optim.Optimizer], list[Any]]:
+    """Two optimizers over ``model``, as a Muon + AdamW split does it, in float64-exact
+    form: SGD with momentum on the weights (with a StepLR) and AdamW on the rest (with a
+    LambdaLR, or no scheduler). Split by name, not by shape: FSDP1's parameters are flat
+    views of their shards."""
+    named = list(model.named_parameters())
+    matrices = [param for name, param in named if name.endswith("weight")]
+    rest = [param for name, param in named if not name.endswith("weight")]
+    weights = torch.optim.SGD(matrices, lr=0.1, momentum=0.9)
+    others = torch.optim.AdamW(rest, lr=0.01, weight_decay=0.1)
+    if not schedulers:
+        return [weights, others], [None, None]
+    return [weights, others], [
+        torch.optim.lr_scheduler.StepLR(weights, step_size=1, gamma=0.8),
+        torch.optim.lr_scheduler.LambdaLR(others, lambda k: 1 / (k + 1)),
+    ]
+
+
+def reference_run(
+    model: nn.Module,
+    windows: list[list[Batch]],
+    make_parts: Any,
+    *,
+    items: bool = False,
+    max_grad_norm: float | None = None,
+) -> nn.Module:
+    """A float64 copy of ``model`` trained one big batch per window with the optimizers and
+    schedulers ``make_parts(copy)`` builds: the window's loss is the mean of its
+    microbatches' mean losses (equal sizes), or with ``items`` its summed losses over its
+    rows; one clip of the total norm over every parameter; every optimizer stepped, then
+    every scheduler."""
+    twin = copy.deepcopy(model)
+    optimizers, schedulers = make_parts(twin)
+    for window in windows:
+        if items:
+            loss = sum(sum_loss(twin, batch) for batch in window) / sum(len(x) for x, _ in window)
+        else:
+            loss = torch.stack([mean_loss(twin, batch) for batch in window]).mean()
+        loss.backward()  # type: ignore[no-untyped-call]
+        if max_grad_norm is not None:
+            nn.utils.clip_grad_norm_(twin.parameters(), max_grad_norm)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        for scheduler in schedulers:
+            if scheduler is not None:
+                scheduler.step()
+    return twin

@@ -90,10 +90,21 @@ def loss_of(model: torch.nn.Module) -> torch.Tensor:
     return mean_loss(model, make_batches([2])[0])
 
 
+class Forwarding(torch.optim.Optimizer):
+    """A wrapper that forwards to ``optimizer`` without ``Optimizer.__init__`` (no hooks)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.param_groups = optimizer.param_groups
+
+
 def namespace() -> dict[str, Any]:
     """The names the catalog's calls and values use, built afresh for each row."""
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    weights = [param for name, param in model.named_parameters() if name.endswith("weight")]
+    biases = [param for name, param in model.named_parameters() if name.endswith("bias")]
+    weights_sgd = torch.optim.SGD(weights, lr=0.1)
     other = make_model(seed=1)
     foreign_optimizer = torch.optim.SGD(other.parameters(), lr=0.1)
     open_model = make_model(seed=2)
@@ -122,6 +133,10 @@ def namespace() -> dict[str, Any]:
         "foreign_optimizer": foreign_optimizer,
         "other_scheduler": torch.optim.lr_scheduler.StepLR(foreign_optimizer, step_size=1),
         "plateau": torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer),
+        "weights_sgd": weights_sgd,
+        "biases_adam": torch.optim.Adam(biases, lr=0.01),
+        "weights_scheduler": torch.optim.lr_scheduler.StepLR(weights_sgd, step_size=1),
+        "forwarding_optimizer": Forwarding(optimizer),
         "scaler": torch.amp.GradScaler("cpu"),
         "open_model": open_model,
         "open_acc": open_acc,

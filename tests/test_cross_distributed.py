@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from tests import cross_distributed
+from tests.cross_distributed import GAMMA_BIAS, LR_BIAS
 from tests.distributed import run
 from tests.helpers import make_batches, make_model, mean_loss, sum_loss
 
@@ -144,12 +145,18 @@ def legal(scenario: dict[str, Any], plan: Plan) -> bool:
     )
 
 
-def reference(scenario: dict[str, Any], plan: Plan) -> tuple[list[torch.Tensor], float]:
-    """Float64 SGD with the StepLR's rates, one step per global window (window w of both
+def reference(scenario: dict[str, Any], plan: Plan) -> tuple[list[torch.Tensor], list[float]]:
+    """Float64 SGD with the StepLRs' rates, one step per global window (window w of both
     ranks) on its microbatches: the item mean of summed losses (num_items), or the mean
-    of the per-microbatch mean losses. The parameters, and the final learning rate."""
+    of the per-microbatch mean losses. With two optimizers the biases have their own
+    rate and decay. The parameters, and each optimizer's final learning rate."""
     model = make_model()
     params = list(model.parameters())
+    two = scenario.get("optimizers", 1) == 2
+    rates = [
+        (LR_BIAS, GAMMA_BIAS) if two and name.endswith("bias") else (LR, GAMMA)
+        for name, _ in model.named_parameters()
+    ]
     applied = 0
     for epoch, windows in enumerate(plan.windows):
         data = [
@@ -164,13 +171,15 @@ def reference(scenario: dict[str, Any], plan: Plan) -> tuple[list[torch.Tensor],
             else:
                 losses = [sum_loss(model, batch) for batch in batches]
                 loss = torch.stack(losses).sum() / sum(len(batch[0]) for batch in batches)
-            lr = LR * GAMMA ** (applied // scenario["step_size"])
+            decays = applied // scenario["step_size"]
             grads = torch.autograd.grad(loss, params)
             with torch.no_grad():
-                for param, grad in zip(params, grads, strict=True):
-                    param.sub_(lr * grad)
+                for param, grad, (lr, gamma) in zip(params, grads, rates, strict=True):
+                    param.sub_(lr * gamma**decays * grad)
             applied += 1
-    return [p.detach() for p in params], LR * GAMMA ** (applied // scenario["step_size"])
+    decays = applied // scenario["step_size"]
+    lrs = [LR * GAMMA**decays] + ([LR_BIAS * GAMMA_BIAS**decays] if two else [])
+    return [p.detach() for p in params], lrs
 
 
 # Drawing scenarios -----------------------------------------------------------------------
@@ -200,6 +209,7 @@ def draw(
             "step_size": rng.randint(1, 2),
             "change": None,
             "checkpoint": None,
+            "optimizers": 1,
         }
         plain = simulate(scenario)
         if not legal(scenario, plain):
@@ -228,6 +238,7 @@ def draw(
         "include_grads": not between_windows or rng.random() < 0.5,
         "change_first": rng.random() < 0.5,
     }
+    scenario["optimizers"] = rng.choice((1, 2))
     return scenario
 
 
@@ -249,7 +260,7 @@ def describe(scenario: dict[str, Any]) -> str:
         f"scenario {scenario.get('name', scenario['number'])}: steps={scenario['steps']} "
         f"drop_last={scenario['drop_last']} {'sized' if scenario['sized'] else 'unsized'} "
         f"mode={scenario['mode']} epochs of {counts} change={scenario['change']} "
-        f"checkpoint={scenario['checkpoint']}"
+        f"checkpoint={scenario['checkpoint']} optimizers={scenario.get('optimizers', 1)}"
     )
 
 

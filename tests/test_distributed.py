@@ -10,6 +10,7 @@ import itertools
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -25,8 +26,10 @@ from tests.helpers import (
     concat,
     make_model,
     mean_loss,
+    reference_run,
     reference_sgd,
     shown_output,
+    split_optimizers,
     sum_loss,
     torchrun,
     windows_of,
@@ -38,10 +41,22 @@ EQUAL = [[2] * 13] * 4  # 13 microbatches of 2 rows on each of up to 4 ranks: 3 
 
 
 def global_windows(
-    sizes: list[list[int]], world: int, steps: int = 4, drop_last: bool = True
+    sizes: list[list[int]],
+    world: int,
+    steps: int = 4,
+    drop_last: bool = True,
+    dtype: torch.dtype = torch.float64,
 ) -> list[list[Batch]]:
-    """Window i of the whole job: window i of every rank, as one big batch."""
-    per_rank = [windows_of(rank_batches(r, sizes[r]), steps, drop_last) for r in range(world)]
+    """Window i of the whole job: window i of every rank, as one big batch, in float64 (from
+    the ``dtype`` data the ranks drew: randn draws other numbers in float32)."""
+    per_rank = [
+        windows_of(
+            [(x.double(), y.double()) for x, y in rank_batches(r, sizes[r], dtype)],
+            steps,
+            drop_last,
+        )
+        for r in range(world)
+    ]
     return [list(itertools.chain(*windows)) for windows in zip(*per_rank, strict=True)]
 
 
@@ -273,21 +288,38 @@ def _big_batch_losses(windows: list[list[Batch]]) -> list[float]:
     return losses
 
 
-def test_the_global_loss_recipes_of_the_docs() -> None:
-    """docs/distributed.md's global loss: in mean mode `step.loss` averaged over the ranks
-    is the big batch's loss (equal microbatches); in item mode, with different item counts
-    per rank, `step.loss` weighted by each rank's items and summed is, and the plain
-    average is not."""
-    mean = run(distributed.global_losses, 2, EQUAL, False)
-    want = _big_batch_losses(global_windows(EQUAL, 2))
-    for rank in mean:
-        assert [averaged for averaged, _ in rank] == pytest.approx(want, abs=TOL)
-    sizes = [[1 + (3 * i + 5 * r) % 6 for i in range(13)] for r in range(2)]
-    items = run(distributed.global_losses, 2, sizes, True)
+ITEM_SIZES = [[1 + (3 * i + 5 * r) % 6 for i in range(13)] for r in range(2)]
+
+
+@pytest.mark.parametrize(("items", "asked"), [(True, False), (False, True)])
+def test_global_loss_is_the_big_batch_loss_on_every_rank(items: bool, asked: bool) -> None:
+    """``step.global_loss`` is the whole job's window loss, the same on both ranks: in item
+    mode the summed losses over every rank's items (different counts per rank), free: the
+    same 2 all-reduces per window
+    as the gradient and the item total; in mean mode, asked for, the ranks' mean, at one
+    scalar all-reduce per window more than without it. No host sync either way."""
+    sizes = ITEM_SIZES if items else EQUAL
     want = _big_batch_losses(global_windows(sizes, 2))
-    for rank in items:
-        assert [weighted for _, weighted in rank] == pytest.approx(want, abs=TOL)
-        assert all(abs(averaged - w) > 1e-4 for (averaged, _), w in zip(rank, want, strict=True))
+    ranks = run(distributed.global_losses, 2, sizes, items, asked, None)
+    for rank in ranks:
+        assert rank["read"] == pytest.approx(want, abs=TOL)
+        assert rank["host_syncs"] == 0
+    assert ranks[0]["read"] == ranks[1]["read"]
+    baseline = run(distributed.global_losses, 2, sizes, items, False, 1)  # read on rank 1 only
+    reduces = {rank["collectives"]["c10d::allreduce_"] / 3 for rank in ranks}
+    assert reduces == {2}
+    assert {rank["collectives"]["c10d::allreduce_"] / 3 for rank in baseline} == {2 if items else 1}
+    assert baseline[0]["read"] == []
+    assert baseline[1]["read"] == (pytest.approx(want, abs=TOL) if items else [None] * 3)
+
+
+def test_global_loss_read_on_one_rank_only_does_not_hang() -> None:
+    """Reading ``step.global_loss`` on rank 0 only (a rank-0 logger) launches nothing: the
+    other rank never meets a collective it does not call, in either mode."""
+    for items, sizes in ((True, ITEM_SIZES), (False, EQUAL)):
+        ranks = run(distributed.global_losses, 2, sizes, items, True, 0)
+        assert len(ranks[0]["read"]) == 3
+        assert ranks[1]["read"] == []
 
 
 def _example_reference(world: int, epochs: int, steps: int = 4) -> list[str]:
@@ -385,3 +417,60 @@ def test_a_divide_factor_equal_to_the_ranks_is_exact() -> None:
         wrap=distributed.fully_shard_averaging_by_its_factor,
     )
     assert report.ok, report
+
+
+# FSDP1 (with use_orig_params, so that its parameters can be split) clips in float32 only:
+# see test_clipping_uses_the_full_norm.
+SPLIT_WORLDS: dict[int, dict[str, dict[str, Any]]] = {
+    2: {
+        "ddp": {},
+        "fsdp1_orig": {"dtype": torch.float32},
+        "fully_shard": {},
+        "compile_ddp": {},
+        "ddp_compile": {},
+    },
+    4: {"hsdp": {}},
+}
+SPLIT_OPTIONS = {"max_grad_norm": 0.3, "sync": "auto"}
+
+
+@functools.cache
+def _split(world: int, items: bool) -> dict[str, tuple[Training, Training]]:
+    sizes = [[1 + (3 * i + 5 * r) % 6 for i in range(13)] for r in range(world)] if items else EQUAL
+    per_rank = run(
+        distributed.train_split_and_single,
+        world,
+        SPLIT_WORLDS[world],
+        sizes,
+        items=items,
+        **SPLIT_OPTIONS,
+    )
+    return {kind: tuple(rank[kind] for rank in per_rank) for kind in SPLIT_WORLDS[world]}  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("items", [False, True], ids=["mean", "items"])
+@pytest.mark.parametrize(
+    ("kind", "world"), [(kind, world) for world, kinds in SPLIT_WORLDS.items() for kind in kinds]
+)
+def test_two_optimizers_on_every_wrapping_equal_the_big_batch_reference(
+    kind: str, world: int, items: bool
+) -> None:
+    """SGD on the weights and AdamW on the biases, each with a scheduler, one clip of the
+    total norm over both: every wrapping matches one float64 big batch per window (the
+    mean of every rank's microbatches, or the item mean), and runs the same collectives
+    per window as with one optimizer."""
+    sizes = [[1 + (3 * i + 5 * r) % 6 for i in range(13)] for r in range(world)] if items else EQUAL
+    dtype = SPLIT_WORLDS[world][kind].get("dtype", torch.float64)
+    windows = global_windows(sizes, world, dtype=dtype)
+    expected = list(
+        reference_run(
+            make_model(), windows, split_optimizers, items=items, max_grad_norm=0.3
+        ).parameters()
+    )
+    tol = TOL if dtype == torch.float64 else 1e-5
+    for rank_runs in _split(world, items)[kind]:
+        split, single = rank_runs
+        assert split.global_step == len(windows)
+        for got, want in zip(split.params, expected, strict=True):
+            assert (got - want).abs().max().item() < tol
+        assert split.collectives == single.collectives

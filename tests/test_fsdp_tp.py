@@ -166,3 +166,40 @@ def test_replicate_is_classified_from_its_mesh_information() -> None:
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
     assert strategy_for(replicate(tp.make_model())).kind == "replicate"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("mode", ["mean", "items"])
+def test_two_optimizers_match_the_reference_with_one_clip_of_the_whole_norm(
+    ranks: list[dict[str, Any]], mode: str
+) -> None:
+    """Two optimizers (the weights' and the biases', at other learning rates) under FSDP +
+    TP, clipped once by the norm of the whole gradient over both (DTensors over the dp
+    and tp dims): the float64 reference, clipped by the same norm (which clips some
+    windows)."""
+    model = tp.make_model()
+    named = list(model.named_parameters())
+    data = [tp.make_batches(dp, SIZES[mode][dp]) for dp in range(tp.DP)]
+    clipped = []
+    for w in range(WINDOWS):
+        big = [batch for batches in data for batch in batches[w * STEPS : (w + 1) * STEPS]]
+        if mode == "mean":
+            loss = sum(tp.squared_error(model, b) / (b[0].shape[0] * tp.OUT) for b in big) / len(
+                big
+            )
+        else:
+            loss = sum(tp.squared_error(model, b) for b in big) / sum(
+                b[0].shape[0] * tp.OUT for b in big
+            )
+        grads = torch.autograd.grad(loss, [p for _, p in named])
+        norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item()
+        coefficient = min(1.0, tp.SPLIT_MAX_NORM / (norm + 1e-6))
+        clipped.append(coefficient < 1)
+        with torch.no_grad():
+            for (name, param), grad in zip(named, grads, strict=True):
+                param -= tp.SPLIT_LRS[name.rpartition(".")[2]] * coefficient * grad
+    assert any(clipped)
+    for rank in ranks:
+        run_ = rank["runs"][f"split/{mode}"]
+        assert run_.global_step == WINDOWS
+        for got, (_, want) in zip(run_.params, named, strict=True):
+            assert (got - want).abs().max().item() < TOL

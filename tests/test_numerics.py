@@ -16,8 +16,10 @@ from tests.helpers import (
     make_model,
     max_param_diff,
     mean_loss,
+    reference_run,
     reference_sgd,
     sgd,
+    split_optimizers,
     sum_loss,
     windows_of,
 )
@@ -216,3 +218,111 @@ def test_parameters_outside_the_model_are_accumulated() -> None:
                 assert temperature.grad is not None
                 assert abs(temperature.grad.item() - torch.stack(grads).mean().item()) < TOL
     assert temperature.grad is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    steps=strategies.steps,
+    lengths=strategies.item_counts,
+    seed=strategies.seeds,
+    drop_last=st.booleans(),
+    items=st.booleans(),
+    clip=st.booleans(),
+)
+def test_two_optimizers_equal_the_big_batch_reference(
+    steps: int, lengths: list[int], seed: int, drop_last: bool, items: bool, clip: bool
+) -> None:
+    """SGD on the weights and AdamW on the biases, each with its scheduler: every window
+    steps both optimizers and both schedulers once, with one clip of the total norm over
+    all their parameters, as one float64 big batch per window does."""
+    if not items:
+        lengths = [lengths[0]] * len(lengths)  # mean mode: equal sizes are the big batch
+    if drop_last and len(lengths) < steps:
+        steps = len(lengths)
+    batches = make_batches(lengths, seed=seed)
+    model = make_model(seed)
+    max_norm = 0.3 if clip else None
+    windows = windows_of(batches, steps, drop_last)
+    expected = reference_run(model, windows, split_optimizers, items=items, max_grad_norm=max_norm)
+    optimizers, schedulers = split_optimizers(model)
+    stepped = [0, 0]
+    for index, optimizer in enumerate(optimizers):
+        optimizer.register_step_post_hook(
+            lambda *_, i=index: stepped.__setitem__(i, stepped[i] + 1)
+        )
+    acc = gradaccum.Accumulator(
+        model, optimizers, schedulers, steps=steps, drop_last=drop_last, max_grad_norm=max_norm
+    )
+    for batch in acc.epoch(batches):
+        loss = sum_loss(model, batch) if items else mean_loss(model, batch)
+        with acc.microstep(loss, num_items=len(batch[0]) if items else None) as step:
+            if step.boundary:
+                assert step.lrs == tuple(o.param_groups[0]["lr"] for o in optimizers)
+    assert stepped == [len(windows)] * 2
+    assert [s.last_epoch for s in schedulers] == [len(windows)] * 2
+    assert acc.global_step == len(windows)
+    assert max_param_diff(model, expected) < TOL
+
+
+def test_steps_1_with_two_optimizers_is_bitwise_the_plain_loop() -> None:
+    """steps=1 with two optimizers and clipping: the parameters, both optimizers' states
+    and both learning rates match a plain loop (clip_grad_norm_ over model.parameters(),
+    then each optimizer and scheduler) bit for bit, in float32."""
+    batches = make_batches([4] * 9, dtype=torch.float32)
+    runs = []
+    for use_acc in (False, True):
+        model = make_model(dtype=torch.float32)
+        optimizers, schedulers = split_optimizers(model)
+        if use_acc:
+            acc = gradaccum.Accumulator(model, optimizers, schedulers, steps=1, max_grad_norm=0.5)
+            for batch in acc.epoch(batches):
+                with acc.microstep(mean_loss(model, batch)):
+                    pass
+        else:
+            for batch in batches:
+                for optimizer in optimizers:
+                    optimizer.zero_grad(set_to_none=True)
+                mean_loss(model, batch).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+                for optimizer, scheduler in zip(optimizers, schedulers, strict=True):
+                    optimizer.step()
+                    scheduler.step()
+        runs.append((model, optimizers))
+    (plain, plain_opts), (accumulated, acc_opts) = runs
+    for p, q in zip(plain.parameters(), accumulated.parameters(), strict=True):
+        assert torch.equal(p, q)
+    for plain_opt, acc_opt in zip(plain_opts, acc_opts, strict=True):
+        plain_params = [p for g in plain_opt.param_groups for p in g["params"]]
+        acc_params = [p for g in acc_opt.param_groups for p in g["params"]]
+        for p, q in zip(plain_params, acc_params, strict=True):
+            for key, value in plain_opt.state[p].items():
+                assert torch.equal(value, acc_opt.state[q][key])
+        assert plain_opt.param_groups[0]["lr"] == acc_opt.param_groups[0]["lr"]
+
+
+def test_step_reports_the_windows_items_and_on_one_process_its_global_loss() -> None:
+    """``step.num_items`` is the window's item total as passed (an int, or a tensor when a
+    tensor was passed), None in mean mode; on one process ``step.global_loss`` is
+    ``step.loss``; both are None off the boundary."""
+    batches = make_batches([1, 5, 2, 3])
+    model = make_model()
+    acc = gradaccum.Accumulator(model, sgd(model), steps=2)
+    reports = []
+    for index, batch in enumerate(acc.epoch(batches)):
+        items = len(batch[0]) if index < 2 else torch.tensor(len(batch[0]))
+        with acc.microstep(sum_loss(model, batch), num_items=items) as step:
+            if not step.boundary:
+                assert (step.num_items, step.global_loss) == (None, None)
+                continue
+            reports.append((step.num_items, step.global_loss, step.loss))
+    (first, global_first, loss_first), (second, global_second, loss_second) = reports
+    assert first == 6
+    assert isinstance(second, torch.Tensor)
+    assert int(second) == 5
+    assert global_first is loss_first
+    assert global_second is loss_second
+
+    acc = gradaccum.Accumulator(model, sgd(model), steps=1)
+    with acc.microstep(mean_loss(model, batches[0])) as step:
+        assert step.num_items is None
+        assert step.global_loss is step.loss

@@ -347,14 +347,14 @@ class TestParseWindow:
     )
     def test_malformed_window_is_refused_by_name(self, changes: dict[str, Any]) -> None:
         """A window that state_dict() cannot have saved is refused, naming
-        ``state['window']`` and quoting it."""
+        ``state['window']`` and its type (a dict's repr would not fit on a line)."""
         bad = window(**changes)
         with pytest.raises(ConfigError) as caught:
             parse(state(window=bad), is_tensor)
         assert str(caught.value).startswith(
             "state['window'] is not a window from state_dict(), got "
         )
-        assert str(caught.value).endswith("(dict)")
+        assert str(caught.value).endswith("(dict)") or str(caught.value).endswith("type dict")
 
     @pytest.mark.parametrize("value", [[1, 2], "window", 3, (("microsteps", 2),)])
     def test_a_window_that_is_not_a_mapping_is_refused(self, value: Any) -> None:

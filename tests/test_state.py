@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import warnings
 from typing import Any
 
@@ -250,3 +251,89 @@ def test_torch_distributed_checkpoint_saves_the_accumulator_as_a_stateful(tmp_pa
             with acc.microstep(mean_loss(model, batch)):
                 pass
     assert_same_run(uninterrupted, resumed)
+
+
+def build_split(steps: int = 4) -> tuple[Any, ...]:
+    """A Muon + AdamW-shaped split (SGD with momentum on the weights, AdamW on the biases),
+    each with its scheduler, under one accumulator."""
+    from tests.helpers import split_optimizers
+
+    model = make_model(dtype=torch.float32)
+    optimizers, schedulers = split_optimizers(model)
+    acc = gradaccum.Accumulator(model, optimizers, schedulers, steps=steps, max_grad_norm=1.0)
+    return model, optimizers, schedulers, acc
+
+
+def save_split(parts: tuple[Any, ...], include_grads: bool) -> bytes:
+    model, optimizers, schedulers, acc = parts
+    buffer = io.BytesIO()
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "optimizers": [optimizer.state_dict() for optimizer in optimizers],
+            "schedulers": [scheduler.state_dict() for scheduler in schedulers],
+            "acc": acc.state_dict(include_grads=include_grads),
+        },
+        buffer,
+    )
+    return buffer.getvalue()
+
+
+def load_split(blob: bytes) -> tuple[Any, ...]:
+    parts = build_split()
+    model, optimizers, schedulers, acc = parts
+    state = torch.load(io.BytesIO(blob))
+    model.load_state_dict(state["model"])
+    for optimizer, saved in zip(optimizers, state["optimizers"], strict=True):
+        optimizer.load_state_dict(saved)
+    for scheduler, saved in zip(schedulers, state["schedulers"], strict=True):
+        scheduler.load_state_dict(saved)
+    acc.load_state_dict(state["acc"])
+    return parts
+
+
+@pytest.mark.parametrize("stop_at", [8, 6])  # after window 2; mid-window 2 of 4 of window 2
+def test_two_optimizers_resume_bit_for_bit(stop_at: int) -> None:
+    """Both optimizers' states, both schedulers and a mid-window gradient over both
+    (``include_grads``) resume the uninterrupted run bit for bit."""
+    uninterrupted = build_split()
+    train(uninterrupted, epochs=2)
+    first = build_split()
+    model, _, _, acc = first
+    for index, batch in enumerate(acc.epoch(BATCHES)):
+        with acc.microstep(mean_loss(model, batch)):
+            pass
+        if index + 1 == stop_at:
+            break
+    state = acc.state_dict(include_grads=stop_at % 4 != 0)
+    assert ("window" in state) is (stop_at % 4 != 0)
+    resumed = load_split(save_split(first, include_grads=stop_at % 4 != 0))
+    model, _, _, acc = resumed
+    for batch in acc.epoch(BATCHES):
+        with acc.microstep(mean_loss(model, batch)):
+            pass
+    train(resumed, epochs=1)
+    (model_a, opts_a, scheds_a, acc_a), (model_b, opts_b, scheds_b, acc_b) = (
+        uninterrupted,
+        resumed,
+    )
+    for p, q in zip(model_a.parameters(), model_b.parameters(), strict=True):
+        assert torch.equal(p, q)
+    for opt_a, opt_b in zip(opts_a, opts_b, strict=True):
+        assert str(opt_a.state_dict()) == str(opt_b.state_dict())
+    assert [s.last_epoch for s in scheds_a] == [s.last_epoch for s in scheds_b] == [6, 6]
+    assert acc_a.global_step == acc_b.global_step == 6
+
+
+def test_a_two_optimizer_window_does_not_load_into_one_optimizer() -> None:
+    """A mid-window state saved over two optimizers holds every parameter's gradient: an
+    accumulator over only one of them is told the window does not fit."""
+    parts = build_split()
+    model, optimizers, _, acc = parts
+    with acc.microstep(mean_loss(model, BATCHES[0])):
+        pass
+    state = acc.state_dict(include_grads=True)
+    acc.close()
+    single = gradaccum.Accumulator(model, optimizers[0], steps=4)
+    with pytest.raises(gradaccum.ConfigError, match="does not fit"):
+        single.load_state_dict(state)

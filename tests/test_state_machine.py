@@ -11,7 +11,9 @@ another ``steps``, ``allow_steps_change``, a version 1 or 2 state), a ``break`` 
 ``num_items`` with mean losses, or calls that must be refused (a nested epoch, a load
 during the epoch, ``state_dict()`` or ``acc.steps`` inside a block, a second accumulator
 while a window is open, a load with another ``steps`` or ``drop_last``, a load into a
-closed accumulator). Epochs are sized or not, under both ``drop_last`` modes; bare
+closed accumulator). The model is trained by one optimizer or by two (the weight's and
+the bias's, the second with a scheduler or without; its ``zero_grad()`` wipes only the
+bias). Epochs are sized or not, under both ``drop_last`` modes; bare
 microsteps, checkpoints, ``steps`` changes and parameter groups also come between epochs.
 
 After every call the accumulator must agree with `tests.contract.Contract`, an
@@ -24,6 +26,7 @@ shows how often each seam was reached (the ``event()`` lines).
 
 from __future__ import annotations
 
+import functools
 import io
 import itertools
 import math
@@ -49,7 +52,9 @@ import gradaccum
 from tests.contract import (
     EXTRA_INIT,
     GAMMA,
+    GAMMA_BIAS,
     LR,
+    LR_BIAS,
     LR_EXTRA,
     MAX_NORM,
     MOMENTUM,
@@ -233,21 +238,44 @@ class AccumulatorMachine(RuleBasedStateMachine):
         scaler=st.booleans(),
         on_nonfinite=st.sampled_from([None, "raise", "skip"]),
         clip=st.booleans(),
+        optimizers=st.sampled_from(["one", "two", "two, the second unscheduled"]),
     )
     def build(
-        self, steps: int, drop_last: bool, scaler: bool, on_nonfinite: str | None, clip: bool
+        self,
+        steps: int,
+        drop_last: bool,
+        scaler: bool,
+        on_nonfinite: str | None,
+        clip: bool,
+        optimizers: str,
     ) -> None:
-        """A float64 linear model, SGD with momentum, StepLR, maybe a GradScaler."""
+        """A float64 linear model, SGD with momentum and StepLR on all of it, or (Muon +
+        AdamW-style) one SGD with its StepLR on the weight and another on the bias with
+        its own StepLR or none; maybe a GradScaler."""
         if scaler and on_nonfinite == "raise":
             on_nonfinite = "skip"  # refused together: see the bad-input catalog
         self.model = nn.Linear(3, 1, dtype=torch.float64)
         with torch.no_grad():  # (torch.manual_seed costs a millisecond per example)
             self.model.weight.copy_(WEIGHT)
             self.model.bias.copy_(BIAS)
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=LR, momentum=MOMENTUM)
-        self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, 1, gamma=GAMMA)
-        self.optimizer_steps = 0
-        self.optimizer.register_step_post_hook(self._count_step)
+        split = optimizers != "one"
+        if split:
+            weight = torch.optim.SGD([self.model.weight], lr=LR, momentum=MOMENTUM)
+            bias = torch.optim.SGD([self.model.bias], lr=LR_BIAS, momentum=MOMENTUM)
+            self.optimizers = [weight, bias]
+            self.schedulers: list[Any] = [
+                torch.optim.lr_scheduler.StepLR(weight, 1, gamma=GAMMA),
+                None
+                if optimizers.endswith("unscheduled")
+                else torch.optim.lr_scheduler.StepLR(bias, 1, gamma=GAMMA_BIAS),
+            ]
+        else:
+            whole = torch.optim.SGD(self.model.parameters(), lr=LR, momentum=MOMENTUM)
+            self.optimizers = [whole]
+            self.schedulers = [torch.optim.lr_scheduler.StepLR(whole, 1, gamma=GAMMA)]
+        self.optimizer_steps = [0] * len(self.optimizers)
+        for index, optimizer in enumerate(self.optimizers):
+            optimizer.register_step_post_hook(functools.partial(self._count_step, index))
         self.scaler = (
             torch.amp.GradScaler("cpu", init_scale=2.0**100, growth_interval=10**9)
             if scaler
@@ -267,25 +295,29 @@ class AccumulatorMachine(RuleBasedStateMachine):
             on_nonfinite,
             clip,
             {name: p.detach().clone() for name, p in params.items()},
+            split=split,
+            bias_scheduled=self.schedulers[-1] is not None,
         )
+        event(f"optimizers: {optimizers}")
 
-    def _count_step(self, *_: object) -> None:
-        self.optimizer_steps += 1
+    def _count_step(self, index: int, *_: object) -> None:
+        self.optimizer_steps[index] += 1
 
     def new_acc(self, steps: int, drop_last: bool | None = None) -> gradaccum.Accumulator:
         if drop_last is None:
             drop_last = self.contract.drop_last
+        several = len(self.optimizers) > 1
         return gradaccum.Accumulator(
             self.model,
-            self.optimizer,
-            self.scheduler,
+            self.optimizers if several else self.optimizers[0],
+            self.schedulers if several else self.schedulers[0],
             steps=steps,
             drop_last=drop_last,
             **self.options,
         )
 
     def params(self) -> list[torch.Tensor]:
-        return [p for group in self.optimizer.param_groups for p in group["params"]]
+        return [p for o in self.optimizers for group in o.param_groups for p in group["params"]]
 
     # Checks -----------------------------------------------------------------------
 
@@ -382,7 +414,7 @@ class AccumulatorMachine(RuleBasedStateMachine):
                 raise KeyError("the block failed on purpose")
             contract.fail()
             return
-        lr = contract.lrs[0]
+        lrs = [contract.lrs["weight"]] + ([contract.lrs["bias"]] if contract.split else [])
         outcome = contract.boundary() if boundary else None
         if outcome:
             mode = f"num_items {type(num_items).__name__}" if by_items else "mean"
@@ -401,7 +433,10 @@ class AccumulatorMachine(RuleBasedStateMachine):
                 event(f"refused: state_dict and steps inside a {'boundary ' * boundary}block")
             if boundary:
                 assert step.global_step == contract.windows
-                assert math.isclose(float(step.lr or 0.0), lr, rel_tol=1e-15)
+                assert math.isclose(float(step.lr or 0.0), lrs[0], rel_tol=1e-15)
+                assert len(step.lrs) == len(lrs)
+                for got, want in zip(step.lrs, lrs, strict=True):
+                    assert math.isclose(float(got or 0.0), want, rel_tol=1e-15)
                 if contract.on_nonfinite == "skip":
                     assert step.skipped is (outcome == "skipped")
         if boundary:
@@ -435,7 +470,7 @@ class AccumulatorMachine(RuleBasedStateMachine):
         if self.extra is not None or self.contract.window:
             return
         self.extra = torch.tensor(EXTRA_INIT, dtype=torch.float64, requires_grad=True)
-        self.optimizer.add_param_group({"params": [self.extra], "lr": LR_EXTRA})
+        self.optimizers[-1].add_param_group({"params": [self.extra], "lr": LR_EXTRA})
         self.contract.add_extra()
         event(f"param group added {where}")
 
@@ -637,7 +672,7 @@ class AccumulatorMachine(RuleBasedStateMachine):
         if action.kind == "group":
             self.add_group("at the top of the body")
         elif action.kind == "zero_grad":
-            owner = self.model if action.flag else self.optimizer
+            owner = self.model if action.flag else self.optimizers[-1]  # (only the bias's)
             owner.zero_grad(set_to_none=action.steps % 2 == 1)
             contract.wiped = bool(contract.window)
         elif action.kind == "probe" and not action.top:
@@ -707,8 +742,10 @@ class AccumulatorMachine(RuleBasedStateMachine):
         self.check_window()
         assert self.acc.skipped_steps == contract.skipped
         assert self.acc.epochs_completed == contract.epochs
-        assert self.optimizer_steps == contract.windows - contract.skipped
-        assert self.scheduler.last_epoch == contract.windows - contract.skipped
+        applied = contract.windows - contract.skipped
+        assert self.optimizer_steps == [applied] * len(self.optimizers)
+        for scheduler in self.schedulers:
+            assert scheduler is None or scheduler.last_epoch == applied
         assert self.acc.steps == contract.steps
         if not contract.window:
             assert all(p.grad is None for p in self.params())
@@ -718,8 +755,12 @@ class AccumulatorMachine(RuleBasedStateMachine):
         for got, want in zip(params, contract.params.values(), strict=True):
             error = max(map(abs, (got.detach() - want).flatten().tolist()))
             assert error < TOL, (got, want)
-        for group, lr in zip(self.optimizer.param_groups, contract.lrs, strict=True):
-            assert math.isclose(group["lr"], lr, rel_tol=1e-14)
+        groups = [group for optimizer in self.optimizers for group in optimizer.param_groups]
+        names = ["weight", "bias"] if contract.split else ["weight"]
+        for group, name in zip(
+            groups, [*names, *(["extra"] if self.extra is not None else [])], strict=True
+        ):
+            assert math.isclose(group["lr"], contract.lrs[name], rel_tol=1e-14)
 
 
 # A few thousand sequences in CI; the "long" profile's count when it asks for more.

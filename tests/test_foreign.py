@@ -1,0 +1,97 @@
+"""Accelerate's prepared optimizer and scheduler: unwrapped and stepped once per window, or
+refused with the object to pass (one process; 2 processes in tests/test_examples_accelerate.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import gradaccum
+from tests.helpers import (
+    make_batches,
+    make_model,
+    max_param_diff,
+    mean_loss,
+    reference_run,
+    windows_of,
+)
+
+accelerate = pytest.importorskip("accelerate", reason="Accelerate is a test-only dependency")
+
+
+@pytest.fixture
+def accelerator() -> Iterator[object]:
+    """A one-process CPU Accelerator; its process-wide state is reset afterwards."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    yield accelerate.Accelerator(cpu=True)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def parts(model: torch.nn.Module) -> tuple[list[torch.optim.Optimizer], list[object]]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return [optimizer], [torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 0.9**k)]
+
+
+def test_prepared_optimizer_and_scheduler_train_exactly(accelerator: object) -> None:
+    """``accelerator.prepare(model, optimizer, scheduler)`` kept: the accumulator steps the
+    torch optimizer and scheduler they wrap, once per window, and matches the float64
+    big batch."""
+    batches = make_batches([3] * 10)
+    model = make_model()
+    expected = reference_run(model, windows_of(batches, 4), parts)
+    (optimizer,), (scheduler,) = parts(model)
+    model, prepared_optimizer, prepared_scheduler = accelerator.prepare(  # type: ignore[attr-defined]
+        model, optimizer, scheduler
+    )
+    assert type(prepared_optimizer).__name__ == "AcceleratedOptimizer"
+    acc = gradaccum.Accumulator(model, prepared_optimizer, prepared_scheduler, steps=4)
+    assert acc.optimizers == (optimizer,)
+    assert acc.schedulers == (scheduler,)
+    assert acc.optimizer is prepared_optimizer  # the argument, as given
+    for batch in acc.epoch(batches):
+        with acc.microstep(mean_loss(model, batch)):
+            pass
+    assert scheduler.last_epoch == acc.global_step == 2
+    assert max_param_diff(model, expected) < 1e-12
+
+
+def test_a_prepared_fp16_optimizer_needs_accelerates_scaler(accelerator: object) -> None:
+    """A prepared optimizer that steps through Accelerate's GradScaler is refused unless
+    that scaler is passed; with it, the accumulator scales and steps through it."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=1)
+    prepared = AcceleratedOptimizer(optimizer, device_placement=False, scaler=scaler)
+    with pytest.raises(gradaccum.ConfigError, match=r"pass scaler=accelerator\.scaler"):
+        gradaccum.Accumulator(model, prepared, steps=2)
+    assert not optimizer._optimizer_step_pre_hooks
+    acc = gradaccum.Accumulator(model, prepared, steps=2, scaler=scaler)
+    for batch in acc.epoch(make_batches([2] * 4)):
+        with acc.microstep(mean_loss(model, batch)):
+            pass
+    assert acc.global_step == 2
+    assert scaler.get_scale() == 2.0**6  # updated once per window, by the accumulator
+
+
+def test_a_wrapper_that_is_no_working_optimizer_is_refused_with_the_object_to_pass() -> None:
+    """A foreign wrapper gradaccum cannot hook is refused in one line that names its type
+    and the optimizer it wraps, not with torch's AttributeError."""
+
+    class Lookahead(torch.optim.Optimizer):
+        def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+            self.optimizer = optimizer
+            self.param_groups = optimizer.param_groups
+
+    model = make_model()
+    with pytest.raises(gradaccum.ConfigTypeError) as caught:
+        gradaccum.Accumulator(model, Lookahead(torch.optim.SGD(model.parameters(), lr=0.1)))
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "optimizer is a Lookahead" in message
+    assert "optimizer.optimizer (a SGD)" in message

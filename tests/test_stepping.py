@@ -1,0 +1,205 @@
+"""Several optimizers and schedulers in one window: each stepped once, skipped together,
+and every watch (foreign steps, zero_grad, scheduler steps) covers each of them."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+import gradaccum
+from tests.helpers import make_batches, make_model, mean_loss, split_optimizers
+
+
+def parts(dtype: torch.dtype = torch.float64) -> tuple[torch.nn.Module, list[Any], list[Any]]:
+    model = make_model(dtype=dtype)
+    optimizers, schedulers = split_optimizers(model)
+    return model, optimizers, schedulers
+
+
+def poisoned_in_biases(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """A loss whose value is finite but whose gradient is NaN in the biases only (the
+    second optimizer's parameters)."""
+    bias = model[2].bias
+    return mean_loss(model, batch) + (bias - bias.detach()).sum() * math.nan
+
+
+def snapshot(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [param.detach().clone() for param in model.parameters()]
+
+
+@pytest.mark.parametrize("how", ["scaler", "skip"])
+def test_a_nan_in_one_optimizers_gradient_skips_every_optimizer_and_scheduler(how: str) -> None:
+    """A NaN only in the AdamW half's gradient: neither optimizer nor either scheduler
+    steps (with a GradScaler the scale backs off once), ``step.skipped`` is known in the
+    block, and the next window applies both."""
+    model, optimizers, schedulers = parts()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if how == "scaler" else None
+    acc = gradaccum.Accumulator(
+        model,
+        optimizers,
+        schedulers,
+        steps=2,
+        scaler=scaler,
+        on_nonfinite="skip" if how == "skip" else None,
+    )
+    batches = make_batches([3] * 4)
+    before = snapshot(model)
+    seen = []
+    for index, batch in enumerate(acc.epoch(batches)):
+        loss = poisoned_in_biases(model, batch) if index == 0 else mean_loss(model, batch)
+        with acc.microstep(loss) as step:
+            if step.boundary:
+                seen.append(step.skipped)
+        if index == 1:
+            assert all(torch.equal(p, q) for p, q in zip(snapshot(model), before, strict=True))
+            assert [s.last_epoch for s in schedulers] == [0, 0]
+    assert seen == [True, False]
+    assert acc.skipped_steps == 1
+    assert [s.last_epoch for s in schedulers] == [1, 1]
+    assert all(not torch.equal(p, q) for p, q in zip(snapshot(model), before, strict=True))
+    if scaler is not None:
+        assert scaler.get_scale() == 2.0**7
+
+
+def test_a_nan_in_one_optimizers_gradient_raises_under_raise() -> None:
+    """``on_nonfinite="raise"`` sees a NaN in the second optimizer's share, and nothing steps."""
+    model, optimizers, schedulers = parts()
+    acc = gradaccum.Accumulator(model, optimizers, schedulers, steps=1, on_nonfinite="raise")
+    before = snapshot(model)
+    with pytest.raises(gradaccum.NonFiniteError, match="window 1"):  # noqa: SIM117
+        with acc.microstep(poisoned_in_biases(model, make_batches([2])[0])):
+            pass
+    assert all(torch.equal(p, q) for p, q in zip(snapshot(model), before, strict=True))
+
+
+def test_the_scaler_unscales_each_optimizer_once_and_updates_once() -> None:
+    """With a GradScaler a window unscales and steps every optimizer, and updates the scale
+    once: a power-of-two scale leaves the run bit for bit the unscaled one."""
+    runs = []
+    for scaler in (None, torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)):
+        model, optimizers, schedulers = parts(torch.float32)
+        acc = gradaccum.Accumulator(
+            model, optimizers, schedulers, steps=3, scaler=scaler, max_grad_norm=0.5
+        )
+        for batch in acc.epoch(make_batches([2] * 9, dtype=torch.float32)):
+            with acc.microstep(mean_loss(model, batch)):
+                pass
+        runs.append(snapshot(model))
+        if scaler is not None:
+            assert scaler.get_scale() == 2.0**13  # grew once per window: one update each
+    assert all(torch.equal(p, q) for p, q in zip(*runs, strict=True))
+
+
+def test_a_step_by_hand_of_any_optimizer_is_refused_in_a_window_and_warned_between() -> None:
+    """The step pre-hook is on every optimizer: the second one's ``step()`` inside a window
+    is a `UsageError`, between windows a warning."""
+    model, optimizers, schedulers = parts()
+    acc = gradaccum.Accumulator(model, optimizers, schedulers, steps=2)
+    batch = make_batches([2])[0]
+    with acc.microstep(mean_loss(model, batch)):
+        pass
+    with pytest.raises(gradaccum.UsageError, match="inside an accumulation window"):
+        optimizers[1].step()
+    with acc.microstep(mean_loss(model, batch)):
+        pass
+    with pytest.warns(gradaccum.GradaccumWarning, match="between windows"):
+        optimizers[1].step()
+
+
+def test_a_zero_grad_of_any_optimizer_inside_a_window_is_refused() -> None:
+    """The watch follows one gradient of every optimizer: the second optimizer's
+    ``zero_grad()`` wipes only its own share, and is still caught."""
+    model, optimizers, schedulers = parts()
+    acc = gradaccum.Accumulator(model, optimizers, schedulers, steps=3)
+    batch = make_batches([2])[0]
+    with acc.microstep(mean_loss(model, batch)):
+        pass
+    optimizers[1].zero_grad()
+    with pytest.raises(gradaccum.UsageError, match="zero_grad"):  # noqa: SIM117
+        with acc.microstep(mean_loss(model, batch)):
+            pass
+
+
+def test_each_scheduler_is_watched_for_steps_by_hand() -> None:
+    """The second scheduler stepped by hand between windows is reported at its next step."""
+    model, optimizers, schedulers = parts()
+    acc = gradaccum.Accumulator(model, optimizers, schedulers, steps=1)
+    batches = make_batches([2] * 2)
+    with acc.microstep(mean_loss(model, batches[0])):
+        pass
+    schedulers[1].step()
+    with (
+        pytest.warns(gradaccum.GradaccumWarning, match="stepped outside the accumulator"),
+        acc.microstep(mean_loss(model, batches[1])),
+    ):
+        pass
+
+
+def test_a_scheduler_entry_may_be_none() -> None:
+    """``scheduler=[StepLR, None]``: the first optimizer's schedule runs, the second keeps
+    its learning rate; `Step.lrs` reports both."""
+    model, optimizers, schedulers = parts()
+    acc = gradaccum.Accumulator(model, optimizers, [schedulers[0], None], steps=2)
+    lrs = []
+    for batch in acc.epoch(make_batches([2] * 6)):
+        with acc.microstep(mean_loss(model, batch)) as step:
+            if step.boundary:
+                lrs.append(step.lrs)
+    assert lrs == [(0.1, 0.01), (0.1 * 0.8, 0.01), (0.1 * 0.8 * 0.8, 0.01)]
+    assert schedulers[1].last_epoch == 0
+
+
+def test_a_new_accumulator_takes_over_every_optimizer_and_close_removes_every_hook() -> None:
+    """An accumulator over the same two optimizers closes the previous one (with the
+    warning); closing it leaves neither optimizer hooked."""
+    model, optimizers, schedulers = parts()
+    first = gradaccum.Accumulator(model, optimizers, schedulers, steps=2)
+    with pytest.warns(gradaccum.GradaccumWarning, match="closed the previous Accumulator"):
+        second = gradaccum.Accumulator(model, optimizers[::-1], schedulers[::-1], steps=2)
+    with pytest.raises(gradaccum.UsageError, match="closed Accumulator"):
+        first.microstep(mean_loss(model, make_batches([2])[0]))
+    second.close()
+    assert all(not optimizer._optimizer_step_pre_hooks for optimizer in optimizers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for optimizer in optimizers:
+            optimizer.step()  # no longer owned: no warning
+
+
+def test_a_window_open_on_one_optimizer_refuses_a_new_owner() -> None:
+    """A second accumulator over an optimizer whose owner has an open window is refused,
+    and leaves the other optimizer unowned."""
+    model, optimizers, schedulers = parts()
+    first = gradaccum.Accumulator(model, optimizers[1], steps=2)
+    with first.microstep(mean_loss(model, make_batches([2])[0])):
+        pass
+    with pytest.raises(gradaccum.UsageError, match="whose window is open"):
+        gradaccum.Accumulator(model, optimizers, schedulers, steps=2)
+    assert not optimizers[0]._optimizer_step_pre_hooks
+
+
+@pytest.mark.parametrize(
+    ("build", "error"),
+    [
+        (lambda o, s: ([o[0], o[0]], None), gradaccum.ConfigError),
+        (lambda o, s: ([o[0], o[1]], [s[1], s[0]]), gradaccum.ConfigError),
+        (lambda o, s: ([o[0], o[1]], s[0]), gradaccum.ConfigError),
+        (lambda o, s: ([o[0], "adamw"], None), gradaccum.ConfigTypeError),
+        (lambda o, s: ([o[0], o[1]], [s[0], "cosine"]), gradaccum.ConfigTypeError),
+    ],
+)
+def test_a_refused_set_up_changes_nothing(build: Any, error: type[Exception]) -> None:
+    """Refused before any work: no hook on any optimizer, the gradients kept, no owner."""
+    model, optimizers, schedulers = parts()
+    mean_loss(model, make_batches([2])[0]).backward()
+    grads = [param.grad.clone() for param in model.parameters()]
+    optimizer, scheduler = build(optimizers, schedulers)
+    with pytest.raises(error):
+        gradaccum.Accumulator(model, optimizer, scheduler, steps=2)
+    assert all(not o._optimizer_step_pre_hooks for o in optimizers)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
+    gradaccum.Accumulator(model, optimizers, schedulers, steps=2).close()  # nobody owns them
