@@ -24,8 +24,11 @@ longer an include, runs as python here, and fails.
 from __future__ import annotations
 
 import ast
+import html
+import os
 import re
 import shlex
+import subprocess
 import sys
 import unittest
 from collections.abc import Iterable
@@ -190,6 +193,50 @@ def test_api_page_documents_every_public_name() -> None:
     public = {f"gradaccum.{name}" for name in gradaccum.__all__ if name != "__version__"}
     testing = {f"gradaccum.testing.{name}" for name in gradaccum.testing.__all__}
     assert documented == public | testing | {"gradaccum.testing", "gradaccum.testing.strategies"}
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The documentation site, built once for this file's tests (a second or two)."""
+    for module in ("mkdocs", "material", "mkdocstrings_handlers.python"):
+        pytest.importorskip(module, reason="the docs extra builds the site")
+    directory = tmp_path_factory.mktemp("site")
+    subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--quiet", "--site-dir", str(directory)],
+        cwd=ROOT,
+        env=os.environ | {"NO_MKDOCS_2_WARNING": "1"},
+        check=True,
+        timeout=120,
+    )
+    return directory
+
+
+def test_api_page_shows_step_fields_not_its_constructor(site: Path) -> None:
+    """The built API page's `Step` entry lists its fields, each with its type, and not the
+    accumulator's internal constructor: no signature, no ``losses`` or ``divisor``."""
+    page = (site / "api" / "index.html").read_text(encoding="utf-8")
+    entry = page.split('<h2 id="gradaccum.Step"')[1].split("<h2 ")[0]
+    assert "doc-signature" not in entry.split("doc-contents")[0]  # the class's own
+    text = html.unescape(re.sub(r"<[^>]+>", " ", entry))
+    assert not re.search(r"\b(losses\s*[:=]|divisor)", text), text
+    table = entry.split("Attributes:")[1].split("</table>")[0]
+    rows = {
+        name: " ".join(html.unescape(re.sub(r"<[^>]+>", " ", kind)).split())
+        for name, kind in re.findall(
+            r'<tr class="doc-section-item">\s*<td><code>(?:<[^>]+>)*(\w+).*?</td>\s*<td>(.*?)</td>',
+            table,
+            flags=re.DOTALL,
+        )
+    }
+    assert {
+        "boundary": "bool",
+        "global_step": "int",
+        "loss": "Tensor | None",
+        "grad_norm": "Tensor | None",
+        "lr": "float | Tensor | None",
+        "skipped": "bool",
+    }.items() <= rows.items()
+    assert all(rows.values()), f"fields without a type: {rows}"
 
 
 def _warning_texts() -> list[str]:
