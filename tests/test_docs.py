@@ -1,4 +1,5 @@
-"""The documentation site: every code block in docs/*.md runs, and the API page is whole.
+"""The documentation site: every code block in docs/*.md runs and fits a 1280-pixel window,
+and the API page is whole and shows what a user handles.
 
 Sybil runs the pages' code: it reads the fenced blocks of a Markdown file in order, in one
 namespace per page, so a page can build its example up over several blocks the way a
