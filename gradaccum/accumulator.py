@@ -49,6 +49,8 @@ class Step:
             sees the window's full gradient, clipped, not yet applied.
         global_step: The optimizer step this window becomes (``acc.global_step`` after
             the block exits); on other microsteps, the steps completed so far.
+        loss: The window's loss, a detached 0-dim tensor, computed on first read;
+            ``None`` off the boundary.
         grad_norm: The total gradient norm before clipping, a 0-dim tensor; ``None``
             without ``max_grad_norm``.
         lr: The learning rate of the first optimizer's first parameter group for this
@@ -77,6 +79,13 @@ class Step:
         "lrs",
         "skipped",
     )
+    # Annotations without values, so they document the slots' types and leave __slots__
+    # as it is (a class-level value would clash with its slot).
+    boundary: bool
+    global_step: int
+    grad_norm: torch.Tensor | None
+    lr: float | torch.Tensor | None
+    skipped: bool
 
     def __init__(
         self,

@@ -1,4 +1,5 @@
-"""The documentation site: every code block in docs/*.md runs, and the API page is whole.
+"""The documentation site: every code block in docs/*.md runs and fits a 1280-pixel window,
+and the API page is whole and shows what a user handles.
 
 Sybil runs the pages' code: it reads the fenced blocks of a Markdown file in order, in one
 namespace per page, so a page can build its example up over several blocks the way a
@@ -24,8 +25,12 @@ longer an include, runs as python here, and fails.
 from __future__ import annotations
 
 import ast
+import html
+import math
+import os
 import re
 import shlex
+import subprocess
 import sys
 import unittest
 from collections.abc import Iterable
@@ -38,6 +43,7 @@ from sybil.parsers.markdown import CodeBlockParser, PythonCodeBlockParser, SkipP
 
 import gradaccum
 import gradaccum.testing
+from gradaccum import verify
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -190,6 +196,120 @@ def test_api_page_documents_every_public_name() -> None:
     public = {f"gradaccum.{name}" for name in gradaccum.__all__ if name != "__version__"}
     testing = {f"gradaccum.testing.{name}" for name in gradaccum.testing.__all__}
     assert documented == public | testing | {"gradaccum.testing", "gradaccum.testing.strategies"}
+
+
+# mkdocs-material's layout at a 1280-pixel window, in rem (20 px there): the left sidebar
+# and the content's margins; code is 0.85em of the 0.8rem text, padded 1.1765em each side.
+# A monospace glyph is 0.6em wide in Roboto Mono, 0.602em in DejaVu Sans Mono (the
+# fallback offline). The grid's width is docs/stylesheets/extra.css's.
+SIDEBAR_REM, MARGINS_REM, CODE_REM, PADDING_EM, GLYPH_EM = 12.1, 1.2 + 0.8, 0.68, 1.1765, 0.602
+WINDOW_PX, REM_PX, SCROLLBAR_PX = 1280, 20, 17
+STYLESHEET = DOCS / "stylesheets" / "extra.css"
+BLOCK = re.compile(r"^( *)```(\w+)\n(.*?)^\1```", flags=re.MULTILINE | re.DOTALL)
+
+
+def code_columns(font_rem: float) -> int:
+    """Columns of monospace a code block shows without scrolling at a 1280-pixel window."""
+    css = STYLESHEET.read_text(encoding="utf-8")
+    grid = re.search(r"\.md-grid \{\s*max-width: ([\d.]+)rem;", css)
+    assert grid, "extra.css sets the grid's width"
+    assert float(grid[1]) * REM_PX <= WINDOW_PX - SCROLLBAR_PX  # the window is wider
+    box = float(grid[1]) - SIDEBAR_REM - MARGINS_REM
+    return math.floor((box - 2 * PADDING_EM * font_rem) / (GLYPH_EM * font_rem))
+
+
+def test_code_fits_a_1280_pixel_window() -> None:
+    """Every code block shows whole at a 1280-pixel window, with no sideways scrolling,
+    by what this pins (a browser measured it when it was set up; CI has none): the table
+    of contents in the left sidebar, so the content area is wider; the stylesheet, which
+    wraps program output; every python and bash line (files a page includes too) within
+    the columns of code, and every line of output in columns, which a wrap would break
+    (the verify table), within the columns of output's smaller type."""
+    config = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    assert re.search(r"^    - toc\.integrate$", config, flags=re.MULTILINE)
+    assert re.search(r"^extra_css:\n  - stylesheets/extra\.css$", config, flags=re.MULTILINE)
+    assert "pygments_lang_class: true" in config  # the language-text class extra.css wraps
+    css = STYLESHEET.read_text(encoding="utf-8")
+    output = re.search(r"\.language-text pre > code \{([^}]*)\}", css)
+    assert output, "extra.css styles the text blocks"
+    assert "white-space: pre-wrap;" in output[1]
+    font = re.search(r"font-size: ([\d.]+)rem;", output[1])
+    assert font, "the output's type size, in rem"
+    code, text = code_columns(CODE_REM), code_columns(float(font[1]))
+    assert (code, text) == (110, 117)  # what the browser showed; a change is deliberate
+    ruff = re.search(r"^line-length = (\d+)$", (ROOT / "pyproject.toml").read_text(), re.M)
+    assert ruff, "pyproject.toml sets ruff's line length"
+    assert int(ruff[1]) <= code  # docstring examples on the API page; the examples
+    assert text >= verify.WIDTH  # its table, wherever a page shows it
+    too_long, blocks = [], 0
+    for page in PAGES:
+        for indent, language, body in BLOCK.findall(page.read_text(encoding="utf-8")):
+            blocks += 1
+            lines = [line.removeprefix(indent) for line in body.splitlines()]
+            for path in snippet_paths(body) if language == "python" else []:
+                lines += (ROOT / path).read_text(encoding="utf-8").splitlines()
+            if language == "text":
+                limit = text
+                lines = [line for line in lines if re.search(r"\S {2,}\S", line)]
+            else:
+                limit = code
+            too_long += [f"{page.name}: {line}" for line in lines if len(line) > limit]
+    assert blocks == sum(len(FENCE.findall(page.read_text())) // 2 for page in PAGES)
+    assert too_long == []
+
+
+def test_getting_started_installs_with_readmes_command() -> None:
+    """Getting started's install block, broken over lines to fit the page, is README's
+    setup command, which .ci/run runs."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    index = (DOCS / "index.md").read_text(encoding="utf-8")
+    setup = re.findall(r"```bash\n(.*?)```", readme, flags=re.DOTALL)[0]
+    install = re.findall(r"```bash\n(.*?)```", index, flags=re.DOTALL)[0]
+    assert " ".join(install.replace("\\\n", " ").split()) == " ".join(setup.split())
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The documentation site, built once for this file's tests (a second or two)."""
+    for module in ("mkdocs", "material", "mkdocstrings_handlers.python"):
+        pytest.importorskip(module, reason="the docs extra builds the site")
+    directory = tmp_path_factory.mktemp("site")
+    subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--quiet", "--site-dir", str(directory)],
+        cwd=ROOT,
+        env=os.environ | {"NO_MKDOCS_2_WARNING": "1"},
+        check=True,
+        timeout=120,
+    )
+    return directory
+
+
+def test_api_page_shows_step_fields_not_its_constructor(site: Path) -> None:
+    """The built API page's `Step` entry lists its fields, each with its type, and not the
+    accumulator's internal constructor: no signature, no ``losses`` or ``divisor``."""
+    page = (site / "api" / "index.html").read_text(encoding="utf-8")
+    entry = page.split('<h2 id="gradaccum.Step"')[1].split("<h2 ")[0]
+    assert "doc-signature" not in entry.split("doc-contents")[0]  # the class's own
+    text = html.unescape(re.sub(r"<[^>]+>", " ", entry))
+    assert not re.search(r"\b(losses\s*[:=]|divisor)", text), text
+    table = entry.split("Attributes:")[1].split("</table>")[0]
+    rows = {
+        name: " ".join(html.unescape(re.sub(r"<[^>]+>", " ", kind)).split())
+        for name, kind in re.findall(
+            r'<tr class="doc-section-item">\s*<td><code>(?:<[^>]+>)*(\w+).*?</td>\s*<td>(.*?)</td>',
+            table,
+            flags=re.DOTALL,
+        )
+    }
+    assert {
+        "boundary": "bool",
+        "global_step": "int",
+        "loss": "Tensor | None",
+        "grad_norm": "Tensor | None",
+        "lr": "float | Tensor | None",
+        "skipped": "bool",
+    }.items() <= rows.items()
+    assert all(rows.values()), f"fields without a type: {rows}"
 
 
 def _warning_texts() -> list[str]:
