@@ -49,8 +49,12 @@ class Step:
             sees the window's full gradient, clipped, not yet applied.
         global_step: The optimizer step this window becomes (``acc.global_step`` after
             the block exits); on other microsteps, the steps completed so far.
-        loss: The window's loss, a detached 0-dim tensor, computed on first read;
-            ``None`` off the boundary.
+        loss: The window's loss on this rank, a detached 0-dim tensor, computed on first
+            read; ``None`` off the boundary.
+        global_loss: The window's loss over every rank, the same on each (see the
+            property); ``None`` off the boundary.
+        num_items: This rank's items in the window with ``num_items``; ``None`` in mean
+            mode and off the boundary.
         grad_norm: The total gradient norm before clipping, a 0-dim tensor; ``None``
             without ``max_grad_norm``.
         lr: The learning rate of the first optimizer's first parameter group for this
@@ -85,6 +89,7 @@ class Step:
     global_step: int
     grad_norm: torch.Tensor | None
     lr: float | torch.Tensor | None
+    lrs: tuple[float | torch.Tensor | None, ...]
     skipped: bool
 
     def __init__(
@@ -139,9 +144,10 @@ class Step:
         With ``num_items``: the summed losses of every rank's items over their total,
         which rides on the item total's all-reduce (no extra collective or host sync).
         In mean mode: the mean of the ranks' window losses, all-reduced at the boundary
-        only when the accumulator was built with ``global_loss=True`` (else ``None``
-        under several ranks). On one process it is `loss`. Reading it never launches a
-        collective; ``None`` off the boundary.
+        when the accumulator was built with ``global_loss=True``, and ``None`` without it
+        (on one process too, so that a loop behaves alike on any number of ranks). On
+        one process it is `loss`. Reading it never launches a collective; ``None`` off
+        the boundary.
         """
         if not self._losses:
             return None
@@ -210,9 +216,10 @@ class Accumulator:
             all-reduce when several ranks hold the gradients, so that every rank decides
             the same. With a GradScaler, which skips overflowing windows by design, only
             ``None`` and ``"skip"`` apply.
-        global_loss: In mean mode under several ranks, all-reduce each window's loss at
-            its boundary (one scalar all-reduce per window) for `Step.global_loss`. With
-            ``num_items`` it is free and always there; on one process it is the loss.
+        global_loss: In mean mode, report `Step.global_loss`: each window's loss is
+            all-reduced at its boundary (one scalar all-reduce per window under several
+            ranks; nothing on one process). With ``num_items`` it is free and always
+            reported.
 
     Raises:
         UsageError: An optimizer is owned by another open accumulator whose window is
@@ -545,7 +552,7 @@ class Accumulator:
             by_items=window.by_items,
             grad_norm=norm,
             lrs=tuple(map(stepping.learning_rate, self.optimizers)),
-            alone=ranks.count == 1,
+            alone=ranks.count == 1 and (window.by_items or options.global_loss),
             global_totals=totals,
         )
         if options.check_finite and not boundary.all_finite(params, norm, ranks):

@@ -303,7 +303,8 @@ def test_steps_1_with_two_optimizers_is_bitwise_the_plain_loop() -> None:
 def test_step_reports_the_windows_items_and_on_one_process_its_global_loss() -> None:
     """``step.num_items`` is the window's item total as passed (an int, or a tensor when a
     tensor was passed), None in mean mode; on one process ``step.global_loss`` is
-    ``step.loss``; both are None off the boundary."""
+    ``step.loss`` (in mean mode when ``global_loss=True``, else None); both are None off
+    the boundary."""
     batches = make_batches([1, 5, 2, 3])
     model = make_model()
     acc = gradaccum.Accumulator(model, sgd(model), steps=2)
@@ -322,7 +323,10 @@ def test_step_reports_the_windows_items_and_on_one_process_its_global_loss() -> 
     assert global_first is loss_first
     assert global_second is loss_second
 
-    acc = gradaccum.Accumulator(model, sgd(model), steps=1)
-    with acc.microstep(mean_loss(model, batches[0])) as step:
-        assert step.num_items is None
-        assert step.global_loss is step.loss
+    for asked in (False, True):
+        acc = gradaccum.Accumulator(model, sgd(model), steps=1, global_loss=asked)
+        with acc.microstep(mean_loss(model, batches[0])) as step:
+            assert step.num_items is None
+            # Mean mode reports it only when asked, on one process as on several.
+            assert step.global_loss is (step.loss if asked else None)
+        acc.close()
