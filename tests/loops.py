@@ -170,13 +170,30 @@ def plain_collectives() -> list[dict[str, int]]:
     return counted
 
 
+def start_a_child(folder: str, name: str) -> None:
+    """Start a process that sleeps for an hour, and write its pid to ``folder/name``."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+    Path(folder, name).write_text(str(child.pid))
+
+
+def leave_a_child(rank: int, world: int, folder: str) -> None:
+    """Start a child process and return, leaving it running."""
+    start_a_child(folder, f"child of {rank}")
+
+
 def barrier_while_rank_1_hangs(rank: int, world: int, pids: str) -> None:
-    """Rank 0 waits in a barrier that rank 1 never reaches; each writes its pid first."""
+    """Each rank starts a child process and writes its own pid and the child's; then
+    rank 0 waits in a barrier that rank 1 never reaches."""
     import os
     import time
     from pathlib import Path
 
     Path(pids, str(rank)).write_text(str(os.getpid()))
+    start_a_child(pids, f"child of {rank}")
     if rank == 1:
         time.sleep(3600)
     dist.barrier()
