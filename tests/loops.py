@@ -93,6 +93,20 @@ def hand_loop(
             scheduler.step()
 
 
+def adamw(params: Any) -> torch.optim.Optimizer:
+    """nanoGPT's optimizer (its betas and weight decay, a learning rate set by hand)."""
+    return torch.optim.AdamW(params, lr=6e-3, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def split_optimizers(params: Any) -> list[torch.optim.Optimizer]:
+    """SGD with momentum on the weights, Adam on the biases."""
+    params = list(params)
+    return [
+        torch.optim.SGD([p for p in params if p.ndim > 1], lr=0.1, momentum=0.9),
+        torch.optim.Adam([p for p in params if p.ndim == 1], lr=1e-2),
+    ]
+
+
 def check(loop: Any, *, by_items: bool = False, **options: Any) -> AccumulationReport:
     """``loop`` checked on this process's ranks (one, or those of the group) in the mean
     mode, or by items with ``by_items``; ``options`` go to `check_accumulation`."""
