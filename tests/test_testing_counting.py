@@ -40,9 +40,8 @@ def test_windows_closed_by_hand_and_a_pause() -> None:
     """end_window() closes a window by hand; what runs while paused is not counted."""
     counter = CollectiveCounter()
     with counter:
-        value = make_model()(
-            torch.ones(1, 5, dtype=torch.float64)
-        ).sum()  # a model's output: on the device
+        # A model's output: a device run holds it on the device.
+        value = make_model()(torch.ones(1, 5, dtype=torch.float64)).sum().detach()
         value.item()
         assert counter.open_window == Counts({}, 1)
         assert counter.end_window() == Counts({}, 1)
