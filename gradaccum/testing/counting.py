@@ -173,20 +173,22 @@ def usual(windows: Sequence[Counts]) -> Counts:
     return Counts(steady, syncs.most_common(1)[0][0] if syncs else 0)
 
 
-def check_optimizers(optimizers: object, name: str) -> tuple[torch.optim.Optimizer, ...]:
+def check_optimizers(optimizers: object, expected: str) -> tuple[torch.optim.Optimizer, ...]:
     """``optimizers`` (one optimizer or a sequence of them) as a tuple.
 
     Raises:
-        ConfigTypeError: Something else, or an empty sequence.
+        ConfigTypeError: Something else, or an empty sequence; the message starts with
+            ``expected`` (``"optimizer must be a torch.optim.Optimizer or ..."``).
     """
-    found = optimizers if isinstance(optimizers, Sequence) else (optimizers,)
-    if not found or not all(isinstance(one, torch.optim.Optimizer) for one in found):
-        msg = (
-            f"{name} must be a torch.optim.Optimizer or a non-empty sequence of them, got "
-            f"{describe(optimizers)}"
-        )
+    if isinstance(optimizers, Sequence) and not isinstance(optimizers, str):
+        found: tuple[object, ...] = tuple(optimizers)
+    else:
+        found = (optimizers,)
+    checked = tuple(one for one in found if isinstance(one, torch.optim.Optimizer))
+    if not checked or len(checked) != len(found):
+        msg = f"{expected}, got {describe(optimizers)}"
         raise ConfigTypeError(msg)
-    return tuple(found)
+    return checked
 
 
 class WindowWatch:
@@ -272,7 +274,14 @@ class CollectiveCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]  # 
         self, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None
     ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
-        optimizers = () if optimizer is None else check_optimizers(optimizer, "optimizer")
+        optimizers = (
+            ()
+            if optimizer is None
+            else check_optimizers(
+                optimizer,
+                "optimizer must be a torch.optim.Optimizer, a non-empty sequence of them, or None",
+            )
+        )
         self.ops: collections.Counter[str] = collections.Counter()
         self.host_syncs = 0
         self.windows: list[Counts] = []

@@ -460,7 +460,10 @@ class _Setup:
     def optimizers(self, params: Iterator[nn.Parameter]) -> tuple[Any, tuple[Any, ...]]:
         """What ``make_optimizer(params)`` returned, and its optimizers as a tuple."""
         made = self.make_optimizer(params)
-        return made, check_optimizers(made, "make_optimizer's result")
+        expected = (
+            "make_optimizer must return a torch.optim.Optimizer or a non-empty sequence of them"
+        )
+        return made, check_optimizers(made, expected)
 
     def window_lengths(self) -> list[int]:
         """The microbatches of each window of every epoch, in order."""
@@ -478,11 +481,11 @@ def _schedulers(made: object, optimizers: int) -> dict[str, Any]:
     out)."""
     if made is None:
         return {}
-    if isinstance(made, Sequence):
+    if isinstance(made, Sequence) and not isinstance(made, str):
         if len(made) != optimizers:
             msg = (
-                f"make_scheduler returned {len(made)} schedulers for {optimizers} optimizers; "
-                "return one scheduler or None per optimizer"
+                f"make_scheduler returned {len(made)} schedulers for {optimizers} "
+                f"optimizer{'s' * (optimizers > 1)}; return one scheduler or None per optimizer"
             )
             raise ConfigError(msg)
         found = {f"schedulers[{i}]": one for i, one in enumerate(made) if one is not None}
