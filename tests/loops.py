@@ -72,10 +72,10 @@ def hand_loop(
     steps: int = STEPS,
     forward_inside: bool = True,
     scheduler_every_microbatch: bool = False,
-    divide: bool = True,
+    divisor: float | None = None,
 ) -> None:
-    """A loop of its own: ``loss / steps`` per microbatch (the loss itself unless
-    ``divide``), ``no_sync()`` off the boundary (around the forward too, unless
+    """A loop of its own: ``loss / steps`` per microbatch (by ``divisor`` if given: a
+    bug), ``no_sync()`` off the boundary (around the forward too, unless
     ``forward_inside`` is False: the bug equal gradients hide), the optimizer and the
     scheduler stepped at the boundary (the scheduler on every microbatch with
     ``scheduler_every_microbatch``: the bug the step count shows)."""
@@ -83,7 +83,7 @@ def hand_loop(
     for index, batch in enumerate(batches[: len(batches) // steps * steps]):
         boundary = (index + 1) % steps == 0
         context = contextlib.nullcontext() if boundary else no_sync()
-        divisor = steps if divide else 1
+        divisor = steps if divisor is None else divisor
         if forward_inside:
             with context:
                 (mean_loss(model, batch) / divisor).backward()
@@ -310,8 +310,13 @@ def checks(rank: int, world: int) -> dict[str, Any]:
         ),
         "mean_of_means": check(hand_loop, by_items=True, **ddp),
         "fsdp1_unscaled": check(
-            functools.partial(hand_loop, divide=False),
+            functools.partial(hand_loop, divisor=1),
             wrap=functools.partial(FullyShardedDataParallel, device_id=torch.device("cpu")),
+        ),
+        "summed_over_ranks": check(
+            functools.partial(hand_loop, divisor=STEPS / world),
+            expect_collectives={"all_reduce": 1},
+            **ddp,
         ),
         "metrics": check(metrics_loop, expect_collectives={"all_reduce": 1, "reduce": 2}, **ddp),
         "nanogpt": nanogpt_check(world=world),

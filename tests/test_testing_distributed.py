@@ -145,6 +145,15 @@ def test_fsdp1_gradients_are_compared_by_their_norm() -> None:
         )
 
 
+def test_a_gradient_summed_over_the_ranks_is_named() -> None:
+    """A loss multiplied by the world size (DDP averages; the loop meant to undo it)."""
+    for report in checked("summed_over_ranks"):
+        assert report.problems[0] == (
+            "the gradient of window 1 is 2.00x the reference's: are the gradients summed "
+            "over the 2 ranks instead of averaged?"
+        )
+
+
 def test_two_optimizers_under_ddp() -> None:
     """SGD on the weights and Adam on the biases, one all-reduce per window: exact; not
     dividing by steps is named."""

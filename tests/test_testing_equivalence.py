@@ -166,6 +166,16 @@ PARAMETERS = "parameters off the float64 big-batch reference by"
             ],
         ),
         (
+            loops.hand_loop,
+            {"drop_last": False},
+            [
+                f"3 {name} steps, expected 4 = total_steps(13, 4, 1, drop_last=False): the "
+                "trailing partial window of 1 microbatch was never stepped; with "
+                "drop_last=False it is (pass drop_last=True)"
+                for name in ("optimizer", "scheduler")
+            ],
+        ),
+        (
             functools.partial(loops.hand_loop, scheduler_every_microbatch=True),
             {},
             [
@@ -186,6 +196,7 @@ PARAMETERS = "parameters off the float64 big-batch reference by"
         "no_zero_grad",
         "remainder_stepped",
         "last_window_never_stepped",
+        "partial_window_never_stepped",
         "scheduler_every_microbatch",
         "mean_of_means",
     ],

@@ -166,8 +166,14 @@ class AccumulationReport:
         verdict = "ok" if self.ok else "FAILED"
         scheduler = "" if self.scheduler_steps is None else f"/{self.scheduler_steps}"
         grad = "grad" if self.gradients == "full" else "grad norm"
-        rates = [rate for window in self.learning_rates for rate in window]
-        lr = f" (lr in [{min(rates):.1e}, {max(rates):.1e}])" if rates else ""
+        rates = sorted(
+            {f"{rate:.1e}" for window in self.learning_rates for rate in window}, key=float
+        )
+        lr = ""
+        if len(rates) == 1:
+            lr = f" (lr {rates[0]})"
+        elif rates:
+            lr = f" (lr in [{rates[0]}, {rates[-1]}])"
         lines = [
             f"accumulation at steps={self.steps} on {self.world_size} "
             f"rank{'s' if self.world_size > 1 else ''} ({self.mode} mode): {verdict}",
