@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from gradaccum.errors import ConfigTypeError, describe
@@ -382,7 +381,16 @@ class CollectiveCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]  # 
 
 
 def _tensors(tree: object) -> list[torch.Tensor]:
-    return [leaf for leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
+    """The tensors in ``tree``: an op's arguments or results (a tensor, or lists, tuples
+    and dicts of them and of other values). Not pytree's flattening: this runs for every
+    op, and is several times faster."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, (list, tuple)):
+        return [tensor for item in tree for tensor in _tensors(item)]
+    if isinstance(tree, dict):
+        return [tensor for item in tree.values() for tensor in _tensors(item)]
+    return []
 
 
 @functools.cache
