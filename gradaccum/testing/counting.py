@@ -203,6 +203,8 @@ class WindowWatch:
         self._hooks: list[Any] = []
 
     def __enter__(self) -> WindowWatch:
+        if self._hooks:
+            return self  # entered again inside its own block: watching already
         for index, optimizer in enumerate(self._optimizers):
             self._hooks.append(
                 optimizer.register_step_post_hook(functools.partial(self._stepped_one, index))
