@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -70,20 +72,23 @@ def hand_loop(
     steps: int = STEPS,
     forward_inside: bool = True,
     scheduler_every_microbatch: bool = False,
+    divisor: float | None = None,
 ) -> None:
-    """A loop of its own: ``loss / steps`` per microbatch, ``no_sync()`` off the boundary
-    (around the forward too, unless ``forward_inside`` is False: the bug equal gradients
-    hide), the optimizer and the scheduler stepped at the boundary (the scheduler on every
-    microbatch with ``scheduler_every_microbatch``: the bug the step count shows)."""
+    """A loop of its own: ``loss / steps`` per microbatch (by ``divisor`` if given: a
+    bug), ``no_sync()`` off the boundary (around the forward too, unless
+    ``forward_inside`` is False: the bug equal gradients hide), the optimizer and the
+    scheduler stepped at the boundary (the scheduler on every microbatch with
+    ``scheduler_every_microbatch``: the bug the step count shows)."""
     no_sync = getattr(model, "no_sync", contextlib.nullcontext)
     for index, batch in enumerate(batches[: len(batches) // steps * steps]):
         boundary = (index + 1) % steps == 0
         context = contextlib.nullcontext() if boundary else no_sync()
+        divisor = steps if divisor is None else divisor
         if forward_inside:
             with context:
-                (mean_loss(model, batch) / steps).backward()
+                (mean_loss(model, batch) / divisor).backward()
         else:
-            loss = mean_loss(model, batch) / steps
+            loss = mean_loss(model, batch) / divisor
             with context:
                 loss.backward()
         if boundary:
@@ -93,9 +98,176 @@ def hand_loop(
             scheduler.step()
 
 
+def get_lr(it: int, warmup: int = 1, decay: int = 3, top: float = 6e-3) -> float:
+    """nanoGPT's learning rate at iteration ``it``: a linear warmup, then a cosine down
+    to a tenth of ``top`` at ``decay``, then flat."""
+    if it < warmup:
+        return top * (it + 1) / (warmup + 1)
+    if it > decay:
+        return top / 10
+    ratio = (it - warmup) / (decay - warmup)
+    return top / 10 + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (top - top / 10)
+
+
+def nanogpt_loop(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    batches: Sequence[Batch],
+    *,
+    steps: int = STEPS,
+    divide: bool = True,
+    grad_clip: float = 1.0,
+) -> None:
+    """nanoGPT's training loop, as its train.py writes it: the learning rate set by hand
+    each iteration (no scheduler), DDP's sync flag set before each forward, the loss
+    divided by the accumulation steps (unless not ``divide``: the bug), clipping, the
+    step, ``zero_grad(set_to_none=True)``; it logs nothing."""
+    ddp = hasattr(model, "require_backward_grad_sync")
+    for it in range(len(batches) // steps):
+        lr = get_lr(it)
+        for param_group in optimizer.param_groups:
+            param_group["lr"] = lr
+        for micro_step in range(steps):
+            if ddp:
+                model.require_backward_grad_sync = micro_step == steps - 1
+            loss = mean_loss(model, batches[it * steps + micro_step])
+            if divide:
+                loss = loss / steps
+            loss.backward()
+        if grad_clip != 0.0:
+            nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def adamw(params: Any) -> torch.optim.Optimizer:
+    """nanoGPT's optimizer (its betas and weight decay, a learning rate set by hand)."""
+    return torch.optim.AdamW(params, lr=6e-3, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def small_batches(rank: int) -> list[Batch]:
+    """`rank_batches` in float32, scaled so that a gradient 4x too large stays under
+    nanoGPT's clipping norm of 1 (clipping would hide the factor)."""
+    return [(0.2 * x.float(), 0.2 * y.float()) for x, y in rank_batches(rank)]
+
+
+def nanogpt_check(
+    make_optimizer: Any = adamw, world: int = 1, **options: Any
+) -> AccumulationReport:
+    """`nanogpt_loop` (``options`` go to it) on a float32 model under DDP on ``world``
+    ranks (the plain model on one), no scheduler given, clipped at 1."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return check_accumulation(
+        functools.partial(make_model, dtype=torch.float32),
+        make_optimizer,
+        functools.partial(nanogpt_loop, **options),
+        [small_batches(rank) for rank in range(world)],
+        mean_loss,
+        steps=STEPS,
+        wrap=DistributedDataParallel if world > 1 else None,
+        max_grad_norm=1.0,
+        expect_collectives={"all_reduce": 1} if world > 1 else None,
+    )
+
+
+def split_optimizers(params: Any) -> list[torch.optim.Optimizer]:
+    """SGD with momentum on the weights, Adam on the biases."""
+    params = list(params)
+    return [
+        torch.optim.SGD([p for p in params if p.ndim > 1], lr=0.1, momentum=0.9),
+        torch.optim.Adam([p for p in params if p.ndim == 1], lr=1e-2),
+    ]
+
+
+def split_schedulers(optimizers: Sequence[torch.optim.Optimizer]) -> list[Any]:
+    """A StepLR for the SGD; the Adam keeps its learning rate."""
+    return [torch.optim.lr_scheduler.StepLR(optimizers[0], step_size=1, gamma=0.8), None]
+
+
+def two_optimizer_loop(
+    model: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    schedulers: Sequence[Any],
+    batches: Sequence[Batch],
+    *,
+    steps: int = STEPS,
+    divide: bool = True,
+    scheduler_every_microbatch: bool = False,
+    skip_last_adam_step: bool = False,
+) -> None:
+    """A hand loop with two optimizers, as a Muon + AdamW trainer writes it: each
+    microbatch's ``loss / steps`` (not divided, unless ``divide``) inside ``no_sync()`` off
+    the boundary; at the boundary each optimizer steps and zeroes its gradients, then
+    each scheduler steps (every microbatch with ``scheduler_every_microbatch``; the
+    Adam's last step left out with ``skip_last_adam_step``)."""
+    no_sync = getattr(model, "no_sync", contextlib.nullcontext)
+    trained = len(batches) // steps * steps
+    for index, batch in enumerate(batches[:trained]):
+        boundary = (index + 1) % steps == 0
+        with contextlib.nullcontext() if boundary else no_sync():
+            loss = mean_loss(model, batch)
+            (loss / steps if divide else loss).backward()
+        if boundary:
+            for number, optimizer in enumerate(optimizers):
+                if not (skip_last_adam_step and number == 1 and index + 1 == trained):
+                    optimizer.step()
+                optimizer.zero_grad()
+        if boundary or scheduler_every_microbatch:
+            for scheduler in schedulers:
+                if scheduler is not None:
+                    scheduler.step()
+
+
+def two_optimizer_check(world: int = 1, **options: Any) -> AccumulationReport:
+    """`two_optimizer_loop` (``options`` go to it) checked, under DDP on several ranks."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return check_accumulation(
+        make_model,
+        split_optimizers,
+        functools.partial(two_optimizer_loop, **options),
+        [rank_batches(rank) for rank in range(world)],
+        mean_loss,
+        steps=STEPS,
+        make_scheduler=split_schedulers,
+        wrap=DistributedDataParallel if world > 1 else None,
+        expect_collectives={"all_reduce": 1} if world > 1 else None,
+    )
+
+
+def metrics_loop(
+    model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, batches: Sequence[Batch]
+) -> None:
+    """`hand_loop`, and at each window's end the window's loss and rows reduced to rank 0
+    with ``dist.reduce`` and read there, as a trainer logs them: two reduces per window,
+    and on rank 0 two host syncs."""
+    window: list[torch.Tensor] = []
+    rows = 0
+    for index, batch in enumerate(batches[: len(batches) // STEPS * STEPS]):
+        no_sync = model.no_sync() if (index + 1) % STEPS else contextlib.nullcontext()
+        with no_sync:
+            loss = mean_loss(model, batch)
+            (loss / STEPS).backward()
+        window.append(loss.detach())
+        rows += len(batch[0])
+        if (index + 1) % STEPS == 0:
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            total, count = torch.stack(window).sum(), torch.tensor(float(rows))
+            dist.reduce(total, dst=0)
+            dist.reduce(count, dst=0)
+            if dist.get_rank() == 0:  # what a trainer would log: two host syncs
+                _ = total.item() / count.item()
+            window, rows = [], 0
+
+
 def check(loop: Any, *, by_items: bool = False, **options: Any) -> AccumulationReport:
     """``loop`` checked on this process's ranks (one, or those of the group) in the mean
-    mode, or by items with ``by_items``; ``options`` go to `check_accumulation`."""
+    mode, or by items with ``by_items``, with a StepLR; ``options`` go to
+    `check_accumulation`."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     return check_accumulation(
         make_model,
@@ -104,16 +276,16 @@ def check(loop: Any, *, by_items: bool = False, **options: Any) -> AccumulationR
         [rank_batches(rank) for rank in range(world)],
         sum_loss if by_items else mean_loss,
         steps=STEPS,
-        make_scheduler=decay,
         num_items=items if by_items else None,
-        **options,
+        **({"make_scheduler": decay} | options),
     )
 
 
 def checks(rank: int, world: int) -> dict[str, Any]:
     """gradaccum.testing on real ranks, in one launch: `check_accumulation` on the
-    Accumulator (DDP by mean and by items, fully_shard, FSDP1) and on hand-written loops,
-    a `DDPBucketCounter`, and plain ``torch.distributed`` calls counted by kind."""
+    Accumulator (DDP by mean and by items, fully_shard, FSDP1) and on hand-written loops
+    (nanoGPT's, two optimizers, metrics reduced, wrong ones), a `DDPBucketCounter`, and
+    plain ``torch.distributed`` calls counted by kind."""
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
@@ -137,6 +309,21 @@ def checks(rank: int, world: int) -> dict[str, Any]:
             functools.partial(hand_loop, scheduler_every_microbatch=True), **ddp
         ),
         "mean_of_means": check(hand_loop, by_items=True, **ddp),
+        "fsdp1_unscaled": check(
+            functools.partial(hand_loop, divisor=1),
+            wrap=functools.partial(FullyShardedDataParallel, device_id=torch.device("cpu")),
+        ),
+        "summed_over_ranks": check(
+            functools.partial(hand_loop, divisor=STEPS / world),
+            expect_collectives={"all_reduce": 1},
+            **ddp,
+        ),
+        "metrics": check(metrics_loop, expect_collectives={"all_reduce": 1, "reduce": 2}, **ddp),
+        "nanogpt": nanogpt_check(world=world),
+        "nanogpt_unscaled": nanogpt_check(world=world, divide=False),
+        "nanogpt_unscaled_sgd": nanogpt_check(sgd, world, divide=False),
+        "two_optimizers": two_optimizer_check(world),
+        "two_optimizers_unscaled": two_optimizer_check(world, divide=False),
     }
     found["buckets"] = {}
     for name, forward_inside in (("forward_outside", False), ("forward_inside", True)):
@@ -149,34 +336,97 @@ def checks(rank: int, world: int) -> dict[str, Any]:
     return found
 
 
-def plain_collectives() -> list[dict[str, int]]:
-    """Plain ``torch.distributed`` calls, each counted on its own: the kinds they count as."""
-    world = dist.get_world_size()
+def plain_collectives() -> dict[str, dict[str, int]]:
+    """Plain ``torch.distributed`` calls, each counted on its own: the kinds they count
+    as, by the call's name."""
+    from torch.distributed import _functional_collectives as functional
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    world, rank = dist.get_world_size(), dist.get_rank()
     tensor = torch.ones(4)
-    calls = [
-        lambda: dist.all_reduce(tensor),
-        lambda: dist.broadcast(tensor, src=0),
-        lambda: dist.all_gather_into_tensor(torch.empty(4 * world), tensor),
-        lambda: dist.all_gather([torch.empty(4) for _ in range(world)], tensor),
-        lambda: dist.reduce_scatter_tensor(torch.empty(4 // world), tensor),
-        lambda: dist.barrier(),
-    ]
-    counted = []
-    for call in calls:
+    group = dist.group.WORLD
+
+    def coalesced() -> None:
+        with _coalescing_manager(async_ops=True) as manager:
+            dist.all_reduce(tensor)
+            dist.all_reduce(torch.ones(3))
+        manager.wait()
+
+    def batch_p2p() -> None:
+        ops = [
+            dist.P2POp(dist.isend, tensor, 1 - rank),
+            dist.P2POp(dist.irecv, torch.empty(4), 1 - rank),
+        ]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    calls = {
+        "all_reduce": lambda: dist.all_reduce(tensor),
+        "broadcast": lambda: dist.broadcast(tensor, src=0),
+        "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(
+            torch.empty(4 * world), tensor
+        ),
+        "all_gather": lambda: dist.all_gather([torch.empty(4) for _ in range(world)], tensor),
+        "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(
+            torch.empty(4 // world), tensor
+        ),
+        "barrier": lambda: dist.barrier(),
+        "monitored_barrier": lambda: dist.monitored_barrier(),
+        "reduce": lambda: dist.reduce(tensor, dst=0),
+        "all_to_all": lambda: dist.all_to_all(
+            [torch.empty(2) for _ in range(world)], [torch.ones(2) for _ in range(world)]
+        ),
+        "all_to_all_single": lambda: dist.all_to_all_single(torch.empty(4), tensor),
+        "gather": lambda: dist.gather(
+            tensor, [torch.empty(4) for _ in range(world)] if rank == 0 else None, dst=0
+        ),
+        "scatter": lambda: dist.scatter(
+            torch.empty(4), [torch.ones(4) for _ in range(world)] if rank == 0 else None, src=0
+        ),
+        "send_or_recv": lambda: dist.send(tensor, 1) if rank == 0 else dist.recv(tensor, 0),
+        "batch_isend_irecv": batch_p2p,
+        "all_reduce_coalesced": lambda: dist.all_reduce_coalesced([tensor, torch.ones(3)]),
+        "coalescing_manager": coalesced,
+        "functional_all_reduce": lambda: functional.all_reduce(tensor, "sum", group) + 0,
+        "functional_all_to_all_single": lambda: (
+            functional.all_to_all_single(tensor, None, None, group) + 0
+        ),
+    }
+    counted = {}
+    for name, call in calls.items():
         counter = CollectiveCounter()
-        with counter:
-            call()
-        counted.append(dict(counter.counts.collectives))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # all_reduce_coalesced's
+            with counter:
+                call()
+        counted[name] = dict(counter.counts.collectives)
     return counted
 
 
+def start_a_child(folder: str, name: str) -> None:
+    """Start a process that sleeps for an hour, and write its pid to ``folder/name``."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+    Path(folder, name).write_text(str(child.pid))
+
+
+def leave_a_child(rank: int, world: int, folder: str) -> None:
+    """Start a child process and return, leaving it running."""
+    start_a_child(folder, f"child of {rank}")
+
+
 def barrier_while_rank_1_hangs(rank: int, world: int, pids: str) -> None:
-    """Rank 0 waits in a barrier that rank 1 never reaches; each writes its pid first."""
+    """Each rank starts a child process and writes its own pid and the child's; then
+    rank 0 waits in a barrier that rank 1 never reaches."""
     import os
     import time
     from pathlib import Path
 
     Path(pids, str(rank)).write_text(str(os.getpid()))
+    start_a_child(pids, f"child of {rank}")
     if rank == 1:
         time.sleep(3600)
     dist.barrier()

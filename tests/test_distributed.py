@@ -474,3 +474,4 @@ def test_two_optimizers_on_every_wrapping_equal_the_big_batch_reference(
         for got, want in zip(split.params, expected, strict=True):
             assert (got - want).abs().max().item() < tol
         assert split.collectives == single.collectives
+        assert split.host_syncs == single.host_syncs

@@ -11,10 +11,11 @@ from tests.helpers import make_batches, make_model, mean_loss, sum_loss
 
 
 def test_counter_sees_host_syncs() -> None:
-    """The counter is live: .item(), bool() and float() on a tensor each count once."""
+    """The counter is live: .item(), bool() and float() on a model's output each count
+    once."""
     counter = CollectiveCounter()
-    value = torch.tensor(2.0)
     with counter:
+        value = make_model()(torch.ones(1, 5, dtype=torch.float64)).sum().detach()
         value.item()
         bool(value > 1)
         float(value)

@@ -1,7 +1,8 @@
 """gradaccum.testing on 2 real gloo ranks, in one launch shared by these tests: the
-equivalence check passes the Accumulator under every wrapping and mode and fails wrong
-loops with the message that names what broke; the counters see DDP's reducer, FSDP and
-plain torch.distributed calls."""
+equivalence check passes the Accumulator under every wrapping and mode, and loops written
+the way real trainers write them (nanoGPT's, two optimizers, metrics reduced), and fails
+wrong loops with the message that names the likely mistake; the counters see DDP's
+reducer, FSDP and every plain torch.distributed call, by kind."""
 
 from __future__ import annotations
 
@@ -44,6 +45,8 @@ def test_exact_loops_pass_on_every_rank_alike(name: str, per_window: dict[str, i
     for report in reports:
         assert report.ok, report
         assert report.max_abs_diff <= TOL
+        assert report.max_grad_diff <= TOL
+        assert report.gradients == ("norm" if name == "fsdp1" else "full")
         assert (report.optimizer_steps, report.scheduler_steps, report.expected_steps) == (3, 3, 3)
         assert report.per_window.collectives == per_window
         assert report.per_window.host_syncs == 0
@@ -57,33 +60,123 @@ def test_the_forward_outside_no_sync_is_caught_by_the_count() -> None:
     for report in checked("forward_outside"):
         assert report.max_abs_diff <= TOL
         assert report.optimizer_steps == report.scheduler_steps == 3
-        assert report.problems == ["4 all-reduces per window at steps=4, expected 1"]
+        assert report.problems == [
+            "4 all-reduces per window at steps=4, expected 1: DDP all-reduced on every "
+            "microbatch. It decides during the forward whether the backward all-reduces, so "
+            "the forward belongs inside no_sync() with its backward, on every microbatch but "
+            "a window's last (or set require_backward_grad_sync before the forward, or use "
+            "gradaccum.Accumulator)"
+        ]
         assert [window.all_reduces for window in report.windows[1:]] == [4, 4]
         assert repr(report).splitlines()[:2] == [
             "accumulation at steps=4 on 2 ranks (mean mode): FAILED",
-            "  4 all-reduces per window at steps=4, expected 1",
+            f"  {report.problems[0]}",
         ]
 
 
-def test_a_scheduler_stepped_every_microbatch_fails_on_its_count_and_parameters() -> None:
+def test_a_scheduler_stepped_every_microbatch_fails_on_its_count_named() -> None:
+    """The reference steps with the learning rates the trainer's optimizer held, so the
+    gradients and parameters agree: the count shows the bug, and says which it is."""
     for report in checked("scheduler_every_microbatch"):
         assert report.optimizer_steps == 3
         assert report.scheduler_steps == 12
-        assert report.problems[0] == (
-            "12 scheduler steps, expected 3 = total_steps(13, 4, 1, drop_last=True)"
-        )
-        assert report.problems[1].startswith("parameters off the float64 big-batch reference")
-        assert report.max_abs_diff > 1e-3
+        assert report.problems == [
+            "12 scheduler steps, expected 3 = total_steps(13, 4, 1, drop_last=True): one per "
+            "microbatch; is scheduler.step() called every microbatch, not once per window?"
+        ]
+        assert report.max_abs_diff <= TOL
 
 
 def test_averaging_microbatch_means_fails_the_item_mode() -> None:
     """A loop that averages per-microbatch means, checked against the token mean of
-    microbatches of different lengths: the parameters are off, and nothing else."""
+    microbatches of different lengths: the gradient of window 1 is off (by no constant
+    factor), then the parameters."""
     for report in checked("mean_of_means"):
         assert report.mode == "items"
         assert report.max_abs_diff > 1e-3
-        assert len(report.problems) == 1
-        assert report.problems[0].startswith("parameters off the float64 big-batch reference")
+        assert len(report.problems) == 2
+        assert report.problems[0].startswith(
+            "the gradient of window 1 is off the float64 big-batch reference by"
+        )
+        assert report.problems[1].startswith("parameters off the float64 big-batch reference")
+
+
+def test_nanogpt_s_loop_passes_with_no_scheduler_and_no_host_sync() -> None:
+    """AdamW, the learning rate set by hand each iteration (warmup, then cosine), DDP's
+    sync flag set before each forward, loss / steps, clipping, float32: exact to float32's
+    tolerance, one all-reduce and no host sync in any window, the reference stepped with
+    the learning rates the trainer set."""
+    for report in checked("nanogpt"):
+        assert report.ok, report
+        assert report.scheduler_steps is None
+        assert report.max_grad_diff < 1e-6
+        assert report.max_abs_diff < 1e-6
+        assert report.learning_rates == [[loops.get_lr(it)] for it in range(3)]
+        assert [window.host_syncs for window in report.windows] == [0, 0, 0]
+        assert [window.all_reduces for window in report.windows[1:]] == [1, 1]
+
+
+@pytest.mark.parametrize("name", ["nanogpt_unscaled", "nanogpt_unscaled_sgd"])
+def test_nanogpt_s_loop_without_dividing_by_steps_fails_with_the_factor(name: str) -> None:
+    """Under AdamW, whose update ignores the gradient's scale, the parameters stay within
+    float32's tolerance: only the gradient shows the bug. Under SGD both do."""
+    for report in checked(name):
+        assert report.problems[0] == (
+            "the gradient of window 1 is 4.00x the reference's: is the loss divided by steps?"
+        )
+        if name == "nanogpt_unscaled":
+            assert report.problems == report.problems[:1]
+            assert report.max_abs_diff < report.tolerance
+        else:
+            assert report.problems[1].startswith("parameters off the float64 big-batch")
+
+
+def test_fsdp1_gradients_are_compared_by_their_norm() -> None:
+    """FSDP1 keeps flat gradient shards: their norm shows a loss not divided by steps."""
+    for report in checked("fsdp1_unscaled"):
+        assert report.gradients == "norm"
+        assert report.problems[0] == (
+            "the gradient norm of window 1 is 4.00x the reference's: is the loss divided by steps?"
+        )
+        assert (
+            repr(report)
+            .splitlines()[-2]
+            .startswith("  optimizer/scheduler steps 3/3 of 3; max |grad norm - reference|")
+        )
+
+
+def test_a_gradient_summed_over_the_ranks_is_named() -> None:
+    """A loss multiplied by the world size (DDP averages; the loop meant to undo it)."""
+    for report in checked("summed_over_ranks"):
+        assert report.problems[0] == (
+            "the gradient of window 1 is 2.00x the reference's: are the gradients summed "
+            "over the 2 ranks instead of averaged?"
+        )
+
+
+def test_two_optimizers_under_ddp() -> None:
+    """SGD on the weights and Adam on the biases, one all-reduce per window: exact; not
+    dividing by steps is named."""
+    for report in checked("two_optimizers"):
+        assert report.ok, report
+        assert len(report.windows) == 3
+        assert report.max_grad_diff <= TOL
+    for report in checked("two_optimizers_unscaled"):
+        assert report.problems[0] == (
+            "the gradient of window 1 is 4.00x the reference's: is the loss divided by steps?"
+        )
+
+
+def test_metrics_reduced_each_window_count_as_reduce() -> None:
+    """Two ``dist.reduce`` of a window's metrics, read on rank 0: expected by the name a
+    report prints, and counted as host syncs there (a device run reduces device tensors)."""
+    reports = checked("metrics")
+    for report in reports:
+        assert report.ok, report
+        assert report.expected_collectives == {"all_reduce": 1, "reduce": 2}
+        assert str(report.per_window) == "1 all-reduce + 2 reduce, 2 host syncs"
+        # The second window also runs DDP's one-time bucket-rebuild broadcasts.
+        assert str(report.windows[2]) == "1 all-reduce + 2 reduce, 2 host syncs"
 
 
 def test_ddp_bucket_counter_counts_each_synced_backward() -> None:
@@ -94,12 +187,26 @@ def test_ddp_bucket_counter_counts_each_synced_backward() -> None:
 
 
 def test_plain_collectives_count_by_kind() -> None:
-    for counted in checked("plain"):
-        assert counted == [
-            {"all_reduce": 1},
-            {"broadcast": 1},
-            {"all_gather": 1},
-            {"all_gather": 1},
-            {"reduce_scatter": 1},
-            {"barrier": 1},
-        ]
+    """Every kind of ``torch.distributed`` call, the coalesced and functional forms too,
+    counts under its kind's name."""
+    for rank, counted in enumerate(checked("plain")):
+        assert counted == {
+            "all_reduce": {"all_reduce": 1},
+            "broadcast": {"broadcast": 1},
+            "all_gather_into_tensor": {"all_gather": 1},
+            "all_gather": {"all_gather": 1},
+            "reduce_scatter_tensor": {"reduce_scatter": 1},
+            "barrier": {"barrier": 1},
+            "monitored_barrier": {"barrier": 1},
+            "reduce": {"reduce": 1},
+            "all_to_all": {"all_to_all": 1},
+            "all_to_all_single": {"all_to_all": 1},
+            "gather": {"gather": 1},
+            "scatter": {"scatter": 1},
+            "send_or_recv": {"send": 1} if rank == 0 else {"recv": 1},
+            "batch_isend_irecv": {"recv": 1, "send": 1},
+            "all_reduce_coalesced": {"all_reduce": 1},
+            "coalescing_manager": {"all_reduce": 1},
+            "functional_all_reduce": {"all_reduce": 1},
+            "functional_all_to_all_single": {"all_to_all": 1},
+        }

@@ -12,6 +12,7 @@ import torch
 
 import gradaccum
 from gradaccum.testing import check_accumulation, expected_windows
+from gradaccum.testing.counting import KINDS, in_words
 from tests import loops
 from tests.helpers import make_batches, make_model, mean_loss
 
@@ -32,6 +33,8 @@ def test_the_accumulator_passes(by_items: bool, options: dict[str, Any]) -> None
     report = loops.check(loop, by_items=by_items, **options)
     assert report.ok, report
     assert report.max_abs_diff <= TOL
+    assert report.max_grad_diff <= TOL
+    assert report.gradients == "full"
     expected = gradaccum.total_steps(
         13, 4, options.get("epochs", 1), options.get("drop_last", True)
     )
@@ -43,8 +46,10 @@ def test_the_accumulator_passes(by_items: bool, options: dict[str, Any]) -> None
 def test_a_hand_loop_passes_and_its_report_reads_ok() -> None:
     report = loops.check(loops.hand_loop)
     assert report.ok, report
-    assert repr(report).splitlines()[0] == "accumulation at steps=4 on 1 rank (mean mode): ok"
-    assert repr(report).splitlines()[1].startswith("  optimizer/scheduler steps 3/3 of 3;")
+    lines = repr(report).splitlines()
+    assert lines[0] == "accumulation at steps=4 on 1 rank (mean mode): ok"
+    assert lines[1].startswith("  optimizer/scheduler steps 3/3 of 3; max |grad - reference| ")
+    assert lines[2].startswith("  the reference stepped with the hyperparameters the trainer's")
 
 
 def unscaled_loop(model: Any, optimizer: Any, scheduler: Any, batches: Any) -> None:
@@ -68,35 +73,222 @@ def remainder_loop(model: Any, optimizer: Any, scheduler: Any, batches: Any) -> 
         optimizer.zero_grad()
 
 
+def no_zero_grad_loop(model: Any, optimizer: Any, scheduler: Any, batches: Any) -> None:
+    """Never zeroes the gradient: each window's adds to the last one's."""
+    for index, batch in enumerate(batches[:12]):
+        (mean_loss(model, batch) / 4).backward()
+        if index % 4 == 3:
+            optimizer.step()
+            scheduler.step()
+
+
+def partial_by_steps_loop(model: Any, optimizer: Any, scheduler: Any, batches: Any) -> None:
+    """Steps the trailing partial window, as drop_last=False asks, but divides its
+    microbatch's loss by steps, not by the window's 1 microbatch."""
+    for index, batch in enumerate(batches):
+        (mean_loss(model, batch) / 4).backward()
+        if index % 4 == 3 or index == len(batches) - 1:
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+
+
+def early_stop_loop(model: Any, optimizer: Any, scheduler: Any, batches: Any) -> None:
+    """Leaves its loop one microbatch early: the last window is never stepped."""
+    for index in range(len(batches) // 4 * 4 - 1):
+        (mean_loss(model, batches[index]) / 4).backward()
+        if index % 4 == 3:
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+
+
+def divided_twice_loop(model: Any, optimizer: Any, scheduler: Any, batches: Any) -> None:
+    """Divides the loss by steps before the Accumulator, which divides it again."""
+    with gradaccum.Accumulator(model, optimizer, scheduler, steps=4) as acc:
+        for batch in acc.epoch(batches):
+            with acc.microstep(mean_loss(model, batch) / 4):
+                pass
+
+
+STEPS_FORMULA = "expected 3 = total_steps(13, 4, 1, drop_last=True)"
+PARAMETERS = "parameters off the float64 big-batch reference by"
+
+
 @pytest.mark.parametrize(
-    ("loop", "by_items", "problems"),
+    ("loop", "options", "problems"),
     [
-        (unscaled_loop, False, ["parameters off the float64 big-batch reference by"]),
+        (
+            unscaled_loop,
+            {},
+            ["the gradient of window 1 is 4.00x the reference's: is the loss divided by steps?"],
+        ),
+        (
+            divided_twice_loop,
+            {},
+            [
+                "the gradient of window 1 is 0.25x the reference's: is the loss divided by "
+                "steps twice?"
+            ],
+        ),
+        (
+            partial_by_steps_loop,
+            {"drop_last": False},
+            [
+                "the gradient of window 4 is 0.25x the reference's: it is the trailing partial "
+                "window, of 1 microbatch; is its loss divided by steps=4 instead of by 1?"
+            ],
+        ),
+        (
+            no_zero_grad_loop,
+            {},
+            [
+                "the gradient of window 2 is the reference's plus window 1's: is zero_grad() "
+                "called after every optimizer.step()?"
+            ],
+        ),
         (
             remainder_loop,
-            False,
+            {},
             [
-                "4 optimizer steps, expected 3 = total_steps(13, 4, 1, drop_last=True)",
-                "4 scheduler steps, expected 3 = total_steps(13, 4, 1, drop_last=True)",
+                f"4 {name} steps, {STEPS_FORMULA}: the trailing partial window of 1 "
+                "microbatch was stepped; with drop_last=True it is dropped (pass drop_last=False)"
+                for name in ("optimizer", "scheduler")
+            ],
+        ),
+        (
+            early_stop_loop,
+            {},
+            [
+                f"2 {name} steps, {STEPS_FORMULA}: 1 window was never stepped; is {name}.step() "
+                "reached at the end of every window, each epoch's last included?"
+                for name in ("optimizer", "scheduler")
+            ],
+        ),
+        (
+            loops.hand_loop,
+            {"drop_last": False},
+            [
+                f"3 {name} steps, expected 4 = total_steps(13, 4, 1, drop_last=False): the "
+                "trailing partial window of 1 microbatch was never stepped; with "
+                "drop_last=False it is (pass drop_last=True)"
+                for name in ("optimizer", "scheduler")
             ],
         ),
         (
             functools.partial(loops.hand_loop, scheduler_every_microbatch=True),
-            False,
-            ["12 scheduler steps, expected 3", "parameters off the float64 big-batch reference"],
+            {},
+            [
+                f"12 scheduler steps, {STEPS_FORMULA}: one per microbatch; is scheduler.step() "
+                "called every microbatch, not once per window?"
+            ],
         ),
-        (loops.hand_loop, True, ["parameters off the float64 big-batch reference by"]),
+        (
+            loops.hand_loop,
+            {"by_items": True},
+            ["the gradient of window 1 is off the float64 big-batch reference by "],
+        ),
     ],
-    ids=["unscaled", "remainder_stepped", "scheduler_every_microbatch", "mean_of_means"],
+    ids=[
+        "unscaled",
+        "divided_twice",
+        "partial_window_by_steps",
+        "no_zero_grad",
+        "remainder_stepped",
+        "last_window_never_stepped",
+        "partial_window_never_stepped",
+        "scheduler_every_microbatch",
+        "mean_of_means",
+    ],
 )
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
-def test_wrong_loops_fail_with_what_broke(loop: Any, by_items: bool, problems: list[str]) -> None:
-    report = loops.check(loop, by_items=by_items)
+def test_wrong_loops_fail_with_the_likely_mistake(
+    loop: Any, options: dict[str, Any], problems: list[str]
+) -> None:
+    """Each problem is derived from what was observed (the steps counted, a window's
+    gradient against the reference's) and names the mistake that explains it; where the
+    gradient of a window was off, the parameters after it are too, and said second."""
+    report = loops.check(loop, **options)
     assert not report.ok
-    assert len(report.problems) == len(problems)
+    if problems[0].startswith("the gradient"):
+        problems = [*problems, PARAMETERS]
+    assert len(report.problems) == len(problems), report
     for problem, start in zip(report.problems, problems, strict=True):
         assert problem.startswith(start), report
-    assert repr(report).splitlines()[1:-1] == [f"  {problem}" for problem in report.problems]
+    assert repr(report).splitlines()[1:-2] == [f"  {problem}" for problem in report.problems]
+
+
+def sgd_by_hand_loop(model: Any, optimizer: Any, scheduler: Any, batches: Any) -> None:
+    """`loops.hand_loop`, with the learning rate, momentum and weight decay of each
+    window set by hand on the param group before its step, and no scheduler."""
+    for window in range(3):
+        for batch in batches[4 * window : 4 * window + 4]:
+            (mean_loss(model, batch) / 4).backward()
+        group = optimizer.param_groups[0]
+        group["lr"] = 0.3 / (1 + window)
+        group["momentum"] = 0.5 + 0.2 * window
+        group["weight_decay"] = 0.01 * window
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def test_hyperparameters_set_by_hand_need_no_scheduler() -> None:
+    """The reference steps with every param-group entry the trainer's optimizer held at
+    its step; given a scheduler the trainer never steps, the count says what to do."""
+    report = loops.check(sgd_by_hand_loop, make_scheduler=None)
+    assert report.ok, report
+    assert report.max_abs_diff <= TOL
+    assert report.max_grad_diff <= TOL
+    assert report.scheduler_steps is None
+    assert report.learning_rates == [[0.3 / 1], [0.3 / 2], [0.3 / 3]]
+    assert repr(report).splitlines()[-1] == (
+        "  the reference stepped with the hyperparameters the trainer's optimizers held "
+        "(lr in [1.0e-01, 3.0e-01])"
+    )
+    report = loops.check(sgd_by_hand_loop)  # loops.check gives a StepLR
+    assert report.problems == [
+        f"0 scheduler steps, {STEPS_FORMULA}: scheduler.step() was never called; a trainer "
+        "that sets the learning rate by hand needs no make_scheduler"
+    ]
+
+
+def test_a_trainer_s_optimizer_that_grew_a_param_group_is_refused() -> None:
+    def add_a_group(model: Any, optimizer: Any, scheduler: Any, batches: Any) -> None:
+        optimizer.add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
+        loops.hand_loop(model, optimizer, scheduler, batches)
+
+    with pytest.raises(gradaccum.ConfigError, match="held 2 param groups at its step 1, "):
+        loops.check(add_a_group)
+
+
+def test_two_optimizers_and_their_schedulers() -> None:
+    """SGD on the weights and Adam on the biases, a StepLR for the SGD only: one window
+    per pair of steps; what either optimizer's step saw, or its count, is checked."""
+    report = loops.two_optimizer_check()
+    assert report.ok, report
+    assert report.max_grad_diff <= TOL
+    assert report.max_abs_diff <= TOL
+    assert (report.optimizer_steps, report.scheduler_steps) == (3, 3)
+    assert len(report.windows) == 3
+    assert report.learning_rates == [[0.1, 1e-2], [0.1 * 0.8, 1e-2], [0.1 * 0.8 * 0.8, 1e-2]]
+    assert loops.two_optimizer_check(divide=False).problems[0] == (
+        "the gradient of window 1 is 4.00x the reference's: is the loss divided by steps?"
+    )
+    assert loops.two_optimizer_check(skip_last_adam_step=True).problems == [
+        f"2 optimizers[1] steps, {STEPS_FORMULA}: 1 window was never stepped; is "
+        "optimizers[1].step() reached at the end of every window, each epoch's last included?"
+    ]
+    with pytest.warns(UserWarning, match="lr_scheduler.step"):
+        report = loops.two_optimizer_check(scheduler_every_microbatch=True)
+    assert report.problems[0].startswith(f"12 schedulers[0] steps, {STEPS_FORMULA}: one per")
+
+
+def test_expect_collectives_takes_every_name_a_report_prints() -> None:
+    """Each kind, by its name or its words, singular or plural."""
+    names = {name: 0 for kind in KINDS for name in (kind, in_words(2, kind).split(" ", 1)[1])}
+    report = loops.check(loops.hand_loop, expect_collectives=names | {"reduce": 0})
+    assert report.ok, report
+    assert report.expected_collectives == dict.fromkeys(KINDS, 0)
 
 
 def test_expected_collectives_that_did_not_run_fail() -> None:

@@ -1,6 +1,7 @@
-"""examples/testing_your_trainer: its test fails on the trainer as written (the forward
-outside ``no_sync()``) with the count that shows the bug, and passes once the forward
-moves inside, a one-line fix. Both on 2 gloo ranks."""
+"""examples/testing_your_trainer: its test fails on the trainer as written (AdamW, the
+learning rate set by hand, no scheduler, the forward outside ``no_sync()``) with the
+count that shows the bug and says why, and passes once the forward moves inside, a
+one-line fix. Both on 2 gloo ranks."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from types import ModuleType
 import pytest
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "testing_your_trainer"
-MESSAGE = "4 all-reduces per window at steps=4, expected 1"
-FORWARD = "        loss = loss_fn(model, batch) / steps\n"
-BLOCK = "        with contextlib.nullcontext() if boundary else no_sync():\n"
+MESSAGE = "4 all-reduces per window at steps=4, expected 1: DDP all-reduced on every microbatch."
+FORWARD = "            loss = loss_fn(model, batches[step * steps + micro]) / steps\n"
+BLOCK = "            with contextlib.nullcontext() if boundary else no_sync():\n"
 
 
 def example_module(name: str, folder: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
@@ -43,9 +44,12 @@ def test_the_example_test_fails_on_the_trainer_as_written(
         example.test_accumulation_is_exact_and_all_reduces_once_per_window()
     except AssertionError as error:
         lines = [line.strip() for line in str(error).splitlines()]  # pytest indents them
-        expected = ["accumulation at steps=4 on 2 ranks (mean mode): FAILED", MESSAGE]
-        # The count is the one problem: the steps and the parameters held.
-        if lines[:2] != expected or not lines[2].startswith("optimizer/scheduler steps 3/3"):
+        # The count is the one problem: the steps, the gradients and the parameters held.
+        if (
+            lines[0] != "accumulation at steps=4 on 2 ranks (mean mode): FAILED"
+            or not lines[1].startswith(MESSAGE)
+            or not lines[2].startswith("optimizer steps 3 of 3; max |grad - reference| ")
+        ):
             pytest.fail(f"the example failed, but not as it should: {error}")
         raise
 

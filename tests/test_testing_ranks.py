@@ -4,7 +4,6 @@ one fails, a hang killed with nothing left running, and launches it refuses up f
 from __future__ import annotations
 
 import math
-import os
 import time
 from pathlib import Path
 
@@ -29,13 +28,37 @@ def test_a_failing_rank_brings_its_traceback_and_the_others_their_results() -> N
     assert "ValueError: math domain error" in error.failures[0]
     assert "Traceback" in error.failures[0]
     assert error.results == {1: 0.0}
-    assert str(error).startswith("1 of 2 ranks failed\n--- rank 0 ---\nTraceback")
+    assert str(error).startswith(
+        "1 of 2 ranks failed; every rank and every process a rank started have been ended\n"
+        "--- rank 0 ---\nTraceback"
+    )
     assert isinstance(error, RuntimeError)
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, dead but not yet reaped by whoever
+    adopted it, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def ended(pid: int) -> bool:
+    """Whether process ``pid`` has ended, or does within 30 s: a killed process dies
+    once the kernel delivers the signal, which a loaded machine may take a moment for."""
+    deadline = time.monotonic() + 30
+    while running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not running(pid)
 
 
 def test_a_hang_is_killed_and_reported_with_the_waiting_rank_s_timeout(tmp_path: Path) -> None:
     """Rank 1 never reaches the barrier: rank 0's collective times out after 3 s and
-    raises; rank 1 is killed at 6 s. Both are reported; neither process is left."""
+    raises; rank 1 is killed at 6 s. Both are reported; neither process is left, nor
+    the process each started (a rank that raises leaves at once, one killed gets no say:
+    only killing each rank's process group ends its children)."""
     started = time.monotonic()
     with pytest.raises(LaunchError) as caught:
         run_ranks(loops.barrier_while_rank_1_hangs, 2, (str(tmp_path),), timeout=3)
@@ -43,11 +66,21 @@ def test_a_hang_is_killed_and_reported_with_the_waiting_rank_s_timeout(tmp_path:
     failures = caught.value.failures
     assert sorted(failures) == [0, 1]
     assert "Traceback" in failures[0]
-    assert failures[1] == "rank 1 gave no answer within 6 s (was killed)"
-    for rank in (0, 1):
-        pid = int((tmp_path / str(rank)).read_text())
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+    assert (
+        failures[1]
+        == "rank 1 gave no answer within 6 s (was killed, with every process it started)"
+    )
+    assert str(caught.value).startswith(
+        "2 of 2 ranks failed; every rank and every process a rank started have been ended\n"
+    )
+    for name in ("0", "1", "child of 0", "child of 1"):
+        assert ended(int((tmp_path / name).read_text())), name
+
+
+def test_what_a_rank_that_returned_left_running_is_ended(tmp_path: Path) -> None:
+    """A rank that returns with a child of its own still running: the child is ended."""
+    assert run_ranks(loops.leave_a_child, 1, (str(tmp_path),), timeout=30) == [None]
+    assert ended(int((tmp_path / "child of 0").read_text()))
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,10 @@ against them."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from hypothesis import given, settings
 
@@ -85,3 +89,27 @@ def test_item_counts_draw_per_microbatch_lengths() -> None:
         assert all(1 <= n <= 2 for n in counts)
 
     check()
+
+
+def test_without_hypothesis_the_import_names_the_testing_extra() -> None:
+    """In a process where hypothesis cannot be imported, ``gradaccum.testing`` imports and
+    its strategies module says which extra installs what it needs."""
+    code = """
+import sys
+sys.modules["hypothesis"] = None  # what an environment without hypothesis sees
+import gradaccum.testing
+try:
+    import gradaccum.testing.strategies
+except ImportError as error:
+    print(type(error).__name__, error.name, error, sep="|")
+"""
+    root = Path(__file__).resolve().parents[1]
+    ran = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True
+    )
+    assert ran.stdout.strip().split("|") == [
+        "ImportError",
+        "hypothesis",
+        "gradaccum.testing.strategies needs hypothesis, which the testing extra installs: "
+        "pip install gradaccum[testing]",
+    ]

@@ -10,7 +10,8 @@ alike. `DDPBucketCounter` is the fallback for DDP where the dispatcher cannot se
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator, Mapping, Sequence
+import functools
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,13 +20,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from gradaccum.errors import ConfigTypeError, describe
 
 __all__ = ["CollectiveCounter", "Counts", "DDPBucketCounter"]
 
-# Each collective op, by the kind it counts as; an op not listed here counts under its
-# own name (barrier, alltoall_, send, ...).
+# Each collective op, by the kind it counts as (a coalesced form is one launch of its
+# kind); an op not listed here counts under its own name.
 _KINDS = {
     **dict.fromkeys(
         [
@@ -51,14 +53,32 @@ _KINDS = {
         "all_gather",
     ),
     **dict.fromkeys(["broadcast_", "broadcast"], "broadcast"),
+    **dict.fromkeys(["alltoall_", "alltoall_base_", "all_to_all_single"], "all_to_all"),
+    **dict.fromkeys(["barrier", "monitored_barrier_"], "barrier"),
+    **dict.fromkeys(["send", "isend"], "send"),
+    **dict.fromkeys(["recv_", "recv_any_source_", "irecv"], "recv"),
+    "reduce_": "reduce",
+    "gather_": "gather",
+    "scatter_": "scatter",
+    "batch_p2p_ops": "send_recv",
 }
+KINDS = (  # every kind, the usual four first
+    *("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "gather"),
+    *("scatter", "all_to_all", "barrier", "send", "recv", "send_recv"),
+)
 _NAMESPACES = frozenset({"c10d", "_c10d_functional"})
 _NOT_COLLECTIVES = frozenset({"wait_tensor", "check_for_nan", "_wrap_tensor_autograd"})
-_WORDS = {  # the kinds in words, for messages: "4 all-reduces"
+_WORDS = {  # the kinds in words, for messages: "4 all-reduces"; the others as named
     "all_reduce": "all-reduce",
     "reduce_scatter": "reduce-scatter",
     "all_gather": "all-gather",
     "broadcast": "broadcast",
+}
+# Every name a count is printed or asked for by: the kind, its words, their plural.
+_NAMES = {
+    **{kind: kind for kind in KINDS},
+    **{word: kind for kind, word in _WORDS.items()},
+    **{f"{word}s": kind for kind, word in _WORDS.items()},
 }
 
 
@@ -68,8 +88,15 @@ def kind_of(op: str) -> str:
     return _KINDS.get(name, name)
 
 
+def kind_named(name: str) -> str | None:
+    """The kind ``name`` means: a kind (``"all_reduce"``, ``"reduce"``) or its words as
+    a report prints them (``"all-reduce"``, ``"all-reduces"``); None for no kind."""
+    return _NAMES.get(name)
+
+
 def in_words(n: int, kind: str) -> str:
-    """``4 all-reduces``, ``1 all-gather``, ``2 host syncs``; other ops as named: ``2 barrier``."""
+    """``4 all-reduces``, ``1 all-gather``, ``2 host syncs``; other kinds as named:
+    ``2 reduce``, ``1 barrier``."""
     if kind not in _WORDS and kind != "host sync":
         return f"{n} {kind}"
     return f"{n} {_WORDS.get(kind, kind)}{'' if n == 1 else 's'}"
@@ -80,11 +107,14 @@ class Counts:
     """What ran in a stretch of training: collectives by kind, and host syncs.
 
     Attributes:
-        collectives: Count by kind: ``"all_reduce"``, ``"reduce_scatter"``,
-            ``"all_gather"``, ``"broadcast"``, or an op's own name for other collectives
-            (``"barrier"``). Kinds that did not run are absent.
-        host_syncs: Device-to-host synchronizations (``aten._local_scalar_dense``: what
-            ``.item()``, ``bool(t)``, ``float(t)`` and ``if t:`` run).
+        collectives: Count by kind: ``"all_reduce"``, ``"reduce"``, ``"broadcast"``,
+            ``"all_gather"`` (``all_gather_into_tensor`` too), ``"gather"``,
+            ``"scatter"``, ``"reduce_scatter"`` (``reduce_scatter_tensor`` too),
+            ``"all_to_all"`` (``all_to_all_single`` too), ``"barrier"``, ``"send"``,
+            ``"recv"``, ``"send_recv"`` (a functional batch of them); a coalesced call
+            counts once, as its kind. Kinds that did not run are absent.
+        host_syncs: Device-to-host reads of tensors that live, or in a CPU run would
+            live, on the device (see `CollectiveCounter`).
     """
 
     collectives: Mapping[str, int] = field(default_factory=dict)
@@ -142,24 +172,88 @@ def usual(windows: Sequence[Counts]) -> Counts:
     return Counts(steady, syncs.most_common(1)[0][0] if syncs else 0)
 
 
+def check_optimizers(optimizers: object, expected: str) -> tuple[torch.optim.Optimizer, ...]:
+    """``optimizers`` (one optimizer or a sequence of them) as a tuple.
+
+    Raises:
+        ConfigTypeError: Something else, or an empty sequence; the message starts with
+            ``expected`` (``"optimizer must be a torch.optim.Optimizer or ..."``).
+    """
+    if isinstance(optimizers, Sequence) and not isinstance(optimizers, str):
+        found: tuple[object, ...] = tuple(optimizers)
+    else:
+        found = (optimizers,)
+    checked = tuple(one for one in found if isinstance(one, torch.optim.Optimizer))
+    if not checked or len(checked) != len(found):
+        msg = f"{expected}, got {describe(optimizers)}"
+        raise ConfigTypeError(msg)
+    return checked
+
+
+class WindowWatch:
+    """Calls ``closed()`` each time every one of ``optimizers`` has stepped since the last
+    call: where a window ends, whatever order a loop steps its optimizers in."""
+
+    def __init__(
+        self, optimizers: Sequence[torch.optim.Optimizer], closed: Callable[[], object]
+    ) -> None:
+        self._optimizers = tuple(optimizers)
+        self._closed = closed
+        self._stepped: set[int] = set()
+        self._hooks: list[Any] = []
+
+    def __enter__(self) -> WindowWatch:
+        if self._hooks:
+            return self  # entered again inside its own block: watching already
+        for index, optimizer in enumerate(self._optimizers):
+            self._hooks.append(
+                optimizer.register_step_post_hook(functools.partial(self._stepped_one, index))
+            )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+    def _stepped_one(self, index: int, *_: object) -> None:
+        self._stepped.add(index)
+        if len(self._stepped) == len(self._optimizers):
+            self._stepped.clear()
+            self._closed()
+
+
 class CollectiveCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves it untyped
     """Count the collectives and host syncs that run inside ``with counter:``.
 
     Use it around one microstep or a whole training function; enter it again to go on
-    counting. Given an ``optimizer``, each ``optimizer.step()`` inside the block closes a
-    window, so `windows` holds what each window ran and `per_window` what a window
-    usually costs, for any loop; `end_window` closes one by hand.
+    counting. Given an ``optimizer`` (or a sequence of them), a window closes once each
+    has stepped inside the block, so `windows` holds what each window ran and
+    `per_window` what a window usually costs, for any loop; `end_window` closes one by
+    hand.
 
-    What it sees: every ``c10d::`` and ``_c10d_functional::`` op, which is how
+    Collectives: every ``c10d::`` and ``_c10d_functional::`` op, which is how
     ``torch.distributed`` runs each collective since torch 2.0, including those DDP's
     reducer issues from the autograd engine's threads, FSDP1, ``fully_shard``/HSDP and
-    functional collectives, on gloo and NCCL. Host syncs: ``aten._local_scalar_dense``
-    (``.item()``, ``bool(t)``, ``float(t)``), counted on CPU too, so a CPU test catches
-    what would stall a GPU. What it does not see: a DDP communication hook that sends
-    through something other than a ``ProcessGroup`` (count with `DDPBucketCounter`
-    instead), collectives issued in C++ extensions outside ``torch.distributed``,
-    ``.tolist()``, ``.cpu()`` and ``torch.cuda.synchronize()`` (none dispatches
-    ``_local_scalar_dense``).
+    functional collectives, on gloo and NCCL.
+
+    Host syncs: reads of a tensor's value by the host (``aten._local_scalar_dense``:
+    ``.item()``, ``bool(t)``, ``float(t)``, ``int(t)``, ``if t:``) that would stall a
+    device. Counted: a read of a tensor on an accelerator; and, since a CPU run stands
+    in for a device run, a read of a CPU tensor that would be on the device there: a
+    parameter, or a tensor computed inside the block from a parameter or from a
+    collective's tensors (model outputs, losses, gradients, optimizer state such as
+    Adam's moments, metrics all-reduced, and whatever is computed from them, written
+    in place included). Not counted: reads of CPU tensors built from Python values and
+    never mixed with those: the ``step`` counters that non-capturable, non-fused Adam and
+    AdamW keep on the CPU on every device (and read with ``.item()`` each step), counters
+    a trainer keeps itself, the CPU side of a device run.
+
+    What it does not see: a DDP communication hook that sends through something other
+    than a ``ProcessGroup`` (count with `DDPBucketCounter` instead), collectives issued
+    in C++ extensions outside ``torch.distributed``; as host syncs, ``.tolist()``,
+    ``.cpu()``, ``torch.cuda.synchronize()`` (none dispatches ``_local_scalar_dense``),
+    and reads of tensors computed before the block (other than parameters).
 
     Attributes:
         ops: Every collective op seen, by its full name (``"c10d::allreduce_"``).
@@ -171,36 +265,41 @@ class CollectiveCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]  # 
         >>> with CollectiveCounter() as counter:
         ...     loss = model(torch.ones(1, 2)).sum()
         ...     loss.backward()
-        ...     value = loss.item()
+        ...     value = loss.item()  # a model's output: a host sync
+        ...     steps = torch.tensor(3.0).item()  # built on the host: none
         >>> counter.counts
         Counts(collectives={}, host_syncs=1)
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None
+    ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            msg = f"optimizer must be a torch.optim.Optimizer or None, got {describe(optimizer)}"
-            raise ConfigTypeError(msg)
+        optimizers = (
+            ()
+            if optimizer is None
+            else check_optimizers(
+                optimizer,
+                "optimizer must be a torch.optim.Optimizer, a non-empty sequence of them, or None",
+            )
+        )
         self.ops: collections.Counter[str] = collections.Counter()
         self.host_syncs = 0
         self.windows: list[Counts] = []
-        self._optimizer = optimizer
+        self._watch = WindowWatch(optimizers, self.end_window) if optimizers else None
         self._closed = Counts()  # the counts when the last window closed
         self._paused = False
-        self._hook: Any = None
+        # CPU tensors that a device run would hold on the device (see the class docstring).
+        self._on_device = WeakTensorKeyDictionary()
 
     def __enter__(self) -> CollectiveCounter:
-        if self._optimizer is not None and self._hook is None:
-            self._hook = self._optimizer.register_step_post_hook(self._step_taken)
+        if self._watch is not None:
+            self._watch.__enter__()
         return super().__enter__()  # type: ignore[no-any-return, no-untyped-call]
 
-    def _step_taken(self, *_: object) -> None:
-        self.end_window()  # a window ends where the optimizer steps
-
     def __exit__(self, *exc: object) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        if self._watch is not None:
+            self._watch.__exit__()
         super().__exit__(*exc)  # type: ignore[no-untyped-call]
 
     def __torch_dispatch__(
@@ -210,14 +309,42 @@ class CollectiveCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]  # 
         args: Sequence[Any] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        kwargs = kwargs or {}
+        collective = func.namespace in _NAMESPACES
         if not self._paused:
-            if func.namespace in _NAMESPACES:
+            if collective:
                 name = func.name()
                 if name.rpartition("::")[2] not in _NOT_COLLECTIVES:
                     self.ops[name] += 1
-            elif func is torch.ops.aten._local_scalar_dense.default:
+            elif func is torch.ops.aten._local_scalar_dense.default and self._would_sync(args[0]):
                 self.host_syncs += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **kwargs)
+        inputs = _tensors((args, kwargs))
+        if collective or any(self._stands_in(tensor) for tensor in inputs):
+            # NCCL takes device tensors only; what a device tensor writes or makes stays there.
+            made = _tensors(out) + (inputs if collective else _written(func, args, kwargs))
+            for tensor in made:
+                self._mark(tensor)
+        return out
+
+    def _would_sync(self, tensor: torch.Tensor) -> bool:
+        """Whether reading ``tensor`` on the host waits, or in a device run would wait,
+        for a device."""
+        return tensor.device.type != "cpu" or self._stands_in(tensor)
+
+    def _stands_in(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is on the CPU where a device run would hold it on the device."""
+        return tensor.device.type == "cpu" and (
+            isinstance(tensor, nn.Parameter)
+            or tensor in self._on_device
+            or (tensor._base is not None and tensor._base in self._on_device)
+        )
+
+    def _mark(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type == "cpu":
+            self._on_device[tensor] = True
+            if tensor._base is not None:  # written through a view: its base holds it too
+                self._on_device[tensor._base] = True
 
     @property
     def counts(self) -> Counts:
@@ -253,6 +380,36 @@ class CollectiveCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]  # 
             yield
         finally:
             self._paused = paused
+
+
+def _tensors(tree: object) -> list[torch.Tensor]:
+    """The tensors in ``tree``: an op's arguments or results (a tensor, or lists, tuples
+    and dicts of them and of other values). Not pytree's flattening: this runs for every
+    op, and is several times faster."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, (list, tuple)):
+        return [tensor for item in tree for tensor in _tensors(item)]
+    if isinstance(tree, dict):
+        return [tensor for item in tree.values() for tensor in _tensors(item)]
+    return []
+
+
+@functools.cache
+def _writes(func: Any) -> tuple[tuple[int, str], ...]:
+    """The position and name of each argument ``func`` writes in place."""
+    return tuple(
+        (index, argument.name)
+        for index, argument in enumerate(func._schema.arguments)
+        if argument.alias_info is not None and argument.alias_info.is_write
+    )
+
+
+def _written(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
+    """The tensors ``func`` wrote in place (``add_``'s self, ``_foreach_add_``'s list)."""
+    return _tensors(
+        [args[index] if index < len(args) else kwargs.get(name) for index, name in _writes(func)]
+    )
 
 
 class DDPBucketCounter:

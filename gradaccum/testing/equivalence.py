@@ -1,16 +1,17 @@
 """Check a training function's accumulation against one big float64 batch per window.
 
 `check_accumulation` runs the user's own loop (any wrapping, with or without the
-`Accumulator`) and compares its parameters after every window with an unwrapped float64
-copy of the model trained on one big batch per window; it counts the optimizer and
-scheduler steps and the collectives of each window. One call, one report to assert on.
+`Accumulator`, one optimizer or several), reads what its optimizers held at each step
+(their hyperparameters, the full gradient) and compares the gradient each step saw and
+the parameters after it with an unwrapped float64 copy of the model trained on one big
+batch per window at those hyperparameters; it counts the optimizer and scheduler steps
+and the collectives of each window. One call, one report to assert on.
 """
 
 from __future__ import annotations
 
-import math
 import pickle
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -22,17 +23,40 @@ from gradaccum.checks import check_choice, check_max_grad_norm
 from gradaccum.errors import ConfigError, ConfigTypeError, describe
 from gradaccum.schedule import check_bool, check_count, check_positive, check_steps, total_steps
 from gradaccum.schedule import trained_microbatches as _trained
-from gradaccum.sync import full_tensor, unwrap
-from gradaccum.testing.counting import CollectiveCounter, Counts, in_words, usual
+from gradaccum.sync import unwrap
+from gradaccum.testing.counting import (
+    KINDS,
+    CollectiveCounter,
+    Counts,
+    WindowWatch,
+    check_optimizers,
+    kind_named,
+    usual,
+)
+from gradaccum.testing.diagnosis import (
+    collective_problem,
+    gap,
+    gradient_problem,
+    step_problem,
+    worse,
+)
+from gradaccum.testing.observed import (
+    Gradient,
+    Observed,
+    apply_hyperparameters,
+    cpu64,
+    flat,
+    full_params,
+)
 from gradaccum.testing.ranks import run_ranks
 
 __all__ = ["AccumulationReport", "check_accumulation", "expected_windows"]
 
 Batch = Any
-Train = Callable[[nn.Module, torch.optim.Optimizer, Any, Sequence[Batch]], object]
+Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer]
+MakeOptimizer = Callable[[Iterator[nn.Parameter]], Optimizers]
+Train = Callable[[nn.Module, Any, Any, Sequence[Batch]], object]
 Loss = Callable[[nn.Module, Batch], torch.Tensor]
-
-_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 # The default tolerance by the dtype the user's model trains in: float64 must match to
 # rounding; lower precisions drift from the float64 reference as windows go by.
 _TOLERANCES = {torch.float64: 1e-10, torch.float32: 1e-4}
@@ -76,7 +100,8 @@ def _window_loss(
 
 @dataclass
 class AccumulationReport:
-    """What `check_accumulation` found; ``assert report.ok, report`` in a test.
+    """What `check_accumulation` found; ``assert report.ok, str(report)`` in a test
+    (pytest cuts a message that is not a string to 240 characters, unless ``-vv``).
 
     Attributes:
         steps: Microbatches per window.
@@ -84,17 +109,30 @@ class AccumulationReport:
         mode: ``"mean"`` (each microbatch's loss is a mean) or ``"items"`` (a sum, with
             ``num_items``).
         expected_steps: ``total_steps(n_batches, steps, epochs, drop_last)``.
-        optimizer_steps: ``optimizer.step()`` calls (rank 0's).
-        scheduler_steps: ``scheduler.step()`` calls, or None without a scheduler.
+        optimizer_steps: ``optimizer.step()`` calls (rank 0's; with several optimizers,
+            those of the one farthest from ``expected_steps``).
+        scheduler_steps: ``scheduler.step()`` calls, alike, or None without a scheduler.
         max_abs_diff: The largest gap, over every window, parameter and rank, between
             the trained parameters and the float64 reference (NaN if one was NaN).
         worst_window: The window (from 1) where it occurred, or None.
+        max_grad_diff: The largest gap, over every window and rank, between the
+            gradient the trainer's optimizers saw at their step and the reference
+            window's gradient (clipped as the trainer's was): over every element, or of
+            the norm alone with ``gradients == "norm"``.
+        worst_grad_window: The window (from 1) where it occurred, or None.
+        gradients: ``"full"``: the full gradient was compared, element by element;
+            ``"norm"``: its norm only (FSDP1 keeps gradients in flat shards).
+        learning_rates: The learning rate of every param group (optimizer by optimizer)
+            that the trainer's optimizers held at each window's step, on rank 0: the
+            hyperparameters the reference steps with (it applies every param-group
+            entry the trainer's held, a scheduler given or not).
         tolerance: The largest gap accepted.
         per_window: What a window usually ran (per kind, the count most windows ran).
-        windows: What each window ran on rank 0, up to each ``optimizer.step()``.
+        windows: What each window ran on rank 0, up to the step that closed it.
         expected_collectives: The collectives per window asked for, by kind.
         ranks_agree: Every rank made as many optimizer and scheduler steps.
-        problems: The promises broken, in words; empty when the check passes.
+        problems: The promises broken, in words, each with the mistake it most likely
+            comes from; empty when the check passes.
     """
 
     steps: int
@@ -111,38 +149,54 @@ class AccumulationReport:
     expected_collectives: dict[str, int] = field(default_factory=dict)
     ranks_agree: bool = True
     problems: list[str] = field(default_factory=list)
+    max_grad_diff: float = 0.0
+    worst_grad_window: int | None = None
+    gradients: Literal["full", "norm"] = "full"
+    learning_rates: list[list[float]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        """The parameters, the step counts and the collectives asked for all held."""
+        """The gradients, the parameters, the step counts and the collectives asked for
+        all held."""
         return not self.problems
 
     def __repr__(self) -> str:
         """The verdict and the problems, then the figures: what ``assert report.ok,
-        report`` shows (pytest cuts a long message, so the problems come first)."""
+        str(report)`` shows."""
         verdict = "ok" if self.ok else "FAILED"
         scheduler = "" if self.scheduler_steps is None else f"/{self.scheduler_steps}"
+        grad = "grad" if self.gradients == "full" else "grad norm"
+        rates = sorted(
+            {f"{rate:.1e}" for window in self.learning_rates for rate in window}, key=float
+        )
+        lr = ""
+        if len(rates) == 1:
+            lr = f" (lr {rates[0]})"
+        elif rates:
+            lr = f" (lr in [{rates[0]}, {rates[-1]}])"
         lines = [
             f"accumulation at steps={self.steps} on {self.world_size} "
             f"rank{'s' if self.world_size > 1 else ''} ({self.mode} mode): {verdict}",
             *(f"  {problem}" for problem in self.problems),
             f"  optimizer{'/scheduler' if scheduler else ''} steps "
             f"{self.optimizer_steps}{scheduler} of {self.expected_steps}; "
-            f"max |param - reference| {self.max_abs_diff:.1e} "
-            f"(tolerance {self.tolerance:.0e}); per window: {self.per_window}",
+            f"max |{grad} - reference| {self.max_grad_diff:.1e}, "
+            f"|param - reference| {self.max_abs_diff:.1e} (tolerance {self.tolerance:.0e}); "
+            f"per window: {self.per_window}",
+            f"  the reference stepped with the hyperparameters the trainer's optimizers held{lr}",
         ]
         return "\n".join(lines)
 
 
 def check_accumulation(
     make_model: Callable[[], nn.Module],
-    make_optimizer: Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer],
+    make_optimizer: MakeOptimizer,
     train: Train,
     batches: Sequence[Sequence[Batch]],
     loss: Loss,
     *,
     steps: int,
-    make_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+    make_scheduler: Callable[[Any], Any] | None = None,
     wrap: Callable[[nn.Module], nn.Module] | None = None,
     num_items: Callable[[Batch], int | torch.Tensor] | None = None,
     drop_last: bool = True,
@@ -155,17 +209,33 @@ def check_accumulation(
     """Train with the user's own loop and check it against one big batch per window.
 
     On each rank: ``model = wrap(make_model())``, ``optimizer =
-    make_optimizer(model.parameters())``, ``scheduler = make_scheduler(optimizer)``, then
-    ``train(model, optimizer, scheduler, batches[rank])`` once per epoch, counting
-    collectives with a `CollectiveCounter` whose windows end at each
-    ``optimizer.step()``, and reading the full parameters after each step. Then an
-    unwrapped copy, ``make_model()`` in float64 on the CPU, starting from the wrapped
-    model's parameters before training, is trained with its own ``make_optimizer`` and
-    ``make_scheduler`` on one big batch per window, as `expected_windows` cuts each
+    make_optimizer(model.parameters())`` (one optimizer or a sequence of them),
+    ``scheduler = make_scheduler(optimizer)``, then ``train(model, optimizer, scheduler,
+    batches[rank])`` once per epoch. While it trains, a pre-hook on each optimizer reads,
+    at each ``optimizer.step()``, every param-group entry (the learning rate however it
+    was set: by a scheduler or by hand, ``param_group["lr"] = get_lr(it)``) and the full,
+    unsharded gradient of its parameters (under FSDP1, the gradient's norm); a window
+    ends once every optimizer has stepped, where the full parameters are read and the
+    collectives of the window counted with a `CollectiveCounter`.
+
+    Then an unwrapped copy, ``make_model()`` in float64 on the CPU, starting from the
+    wrapped model's parameters before training, is trained with its own
+    ``make_optimizer`` on one big batch per window, as `expected_windows` cuts each
     epoch: the mean of the mean losses of every rank's microbatches of the window, or
     with ``num_items`` their summed losses over their total items; clipped to
-    ``max_grad_norm`` if given. Model and loss must be deterministic (no dropout, no
-    batch norm): one big batch equals the microbatches only for per-item losses.
+    ``max_grad_norm`` if given (one norm over every parameter); each of its optimizers
+    stepped with the hyperparameters the trainer's held at that window's step (its
+    implementation flags, ``foreach``, ``fused``, ``capturable``, ``differentiable``,
+    kept). ``make_scheduler``'s schedulers are only counted: each must step once per
+    window. Model and loss must be deterministic (no dropout, no batch norm): one big
+    batch equals the microbatches only for per-item losses.
+
+    Each window's gradient is compared with the reference's, then the parameters after
+    it; a problem names the likely mistake where what was seen shows one: a gradient a
+    constant factor off ("4.00x the reference's: is the loss divided by steps?"), the
+    last partial window divided by ``steps``, the previous window's gradient left in
+    (no ``zero_grad()``), a scheduler stepped per microbatch, a window never stepped,
+    DDP all-reducing on every microbatch.
 
     With ``len(batches)`` above 1, the ranks are launched with `run_ranks` (so every
     callable must be a module-level function or a ``functools.partial`` of one), unless
@@ -175,14 +245,20 @@ def check_accumulation(
     Args:
         make_model: Builds the unwrapped model; called once to train and once for the
             reference (only its architecture is used there).
-        make_optimizer: Builds the optimizer on the parameters given.
+        make_optimizer: Builds the optimizer, or a sequence of optimizers (an SGD on the
+            weights and an Adam on the biases), on the parameters given; the parameters
+            come as an iterator, so a factory that splits them makes a list first.
         train: The loop under test: one epoch of ``batches[rank]``, with the
-            accumulation, ``optimizer.step()`` and ``scheduler.step()`` it does itself.
+            accumulation, ``optimizer.step()`` and ``scheduler.step()`` it does itself;
+            it gets what ``make_optimizer`` and ``make_scheduler`` returned.
         batches: Each rank's microbatches, ``batches[rank]``, the same number per rank.
         loss: ``loss(model, batch)``, the loss ``train`` back-propagates: a mean over
             the batch, or with ``num_items`` a sum.
         steps: Microbatches per window in ``train``.
-        make_scheduler: Builds the LR scheduler on the optimizer, or None.
+        make_scheduler: Builds the LR scheduler on what ``make_optimizer`` returned:
+            one scheduler (or None), or for a sequence of optimizers a sequence aligned
+            with it, one scheduler or None per optimizer. None for none (a trainer that
+            sets the learning rate by hand needs none).
         wrap: Wraps the model as ``train`` expects it (``DistributedDataParallel``, a
             function that applies ``fully_shard``), or None for the model itself.
         num_items: Item mode: the items (tokens) of a microbatch; the window's gradient
@@ -190,18 +266,20 @@ def check_accumulation(
         drop_last: Each epoch's trailing partial window is dropped (else stepped).
         epochs: Epochs to train (``train`` is called once for each).
         max_grad_norm: The clipping ``train`` applies to each window's gradient.
-        expect_collectives: Collectives a window must usually run, by kind
-            (``"all_reduce"``, ``"reduce_scatter"``, ``"all_gather"``, ``"broadcast"``),
-            such as ``{"all_reduce": 1}`` for DDP that syncs once per window.
-        tolerance: The largest gap accepted; by default 1e-10 for a float64 model, 1e-4
-            for float32, 5e-2 below.
+        expect_collectives: Collectives a window must usually run, by kind, as a report
+            names them (``"all_reduce"`` or ``"all-reduce"``, ``"reduce"``,
+            ``"all_gather"``, ...: `gradaccum.testing.Counts` lists them), such as
+            ``{"all_reduce": 1}`` for DDP that syncs once per window.
+        tolerance: The largest gap accepted, for gradients and parameters; by default
+            1e-10 for a float64 model, 1e-4 for float32, 5e-2 below.
         backend: The launched ranks' backend, ``"gloo"`` or ``"nccl"``.
 
     Returns:
         The report: ``report.ok``, and ``str(report)`` says what broke.
 
     Raises:
-        ConfigError, ConfigTypeError: An argument cannot be used (named in the message).
+        ConfigError, ConfigTypeError: An argument cannot be used (named in the message),
+            or the trainer's optimizer grew param groups the reference cannot follow.
         LaunchError: A launched rank raised (with every rank's traceback).
 
     Examples:
@@ -214,6 +292,7 @@ def check_accumulation(
         ...     for i, batch in enumerate(batches):
         ...         (loss(model, batch) / 2).backward()
         ...         if i % 2 == 1:
+        ...             optimizer.param_groups[0]["lr"] = 0.1 / (1 + i)  # set by hand
         ...             optimizer.step()
         ...             optimizer.zero_grad()
         >>> data = [(torch.randn(4, 3).double(), torch.randn(4, 1).double()) for _ in range(5)]
@@ -222,6 +301,8 @@ def check_accumulation(
         ... )
         >>> report.ok, report.optimizer_steps, report.expected_steps
         (True, 2, 2)
+        >>> report.learning_rates
+        [[0.05], [0.025]]
     """
     setup = _Setup(
         make_model=make_model,
@@ -284,6 +365,7 @@ def _check_batches(batches: object) -> tuple[tuple[Batch, ...], ...]:
 
 
 def _check_expected(expected: object) -> dict[str, int]:
+    """``expect_collectives`` by kind, each name as a report prints it or as its kind."""
     if expected is None:
         return {}
     if not isinstance(expected, Mapping):
@@ -292,15 +374,17 @@ def _check_expected(expected: object) -> dict[str, int]:
             f"{describe(expected)}"
         )
         raise ConfigTypeError(msg)
-    for kind, count in expected.items():
-        if kind not in _KINDS:
+    kinds = {}
+    for name, count in expected.items():
+        kind = kind_named(name) if isinstance(name, str) else None
+        if kind is None:
             msg = (
-                f"expect_collectives has the key {kind!r}; the kinds are "
-                f"{', '.join(map(repr, _KINDS))}"
+                f"expect_collectives has the key {name!r}; the kinds are "
+                f"{', '.join(map(repr, KINDS))} (or as a report prints them: 'all-reduce')"
             )
             raise ConfigError(msg)
-        check_count(count, f"expect_collectives[{kind!r}]")
-    return dict(expected)
+        kinds[kind] = check_count(count, f"expect_collectives[{name!r}]")
+    return kinds
 
 
 def _check_tolerance(tolerance: object) -> float | None:
@@ -320,12 +404,12 @@ class _Setup:
     """Everything a rank needs to run the check (pickled to launched ranks)."""
 
     make_model: Callable[[], nn.Module]
-    make_optimizer: Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]
+    make_optimizer: MakeOptimizer
     train: Train
     batches: tuple[tuple[Batch, ...], ...]
     loss: Loss
     steps: int
-    make_scheduler: Callable[[torch.optim.Optimizer], Any] | None
+    make_scheduler: Callable[[Any], Any] | None
     wrap: Callable[[nn.Module], nn.Module] | None
     num_items: Callable[[Batch], int | torch.Tensor] | None
     drop_last: bool
@@ -379,35 +463,67 @@ class _Setup:
                 )
                 raise ConfigTypeError(msg) from None
 
+    def optimizers(self, params: Iterator[nn.Parameter]) -> tuple[Any, tuple[Any, ...]]:
+        """What ``make_optimizer(params)`` returned, and its optimizers as a tuple."""
+        made = self.make_optimizer(params)
+        expected = (
+            "make_optimizer must return a torch.optim.Optimizer or a non-empty sequence of them"
+        )
+        return made, check_optimizers(made, expected)
+
+    def window_lengths(self) -> list[int]:
+        """The microbatches of each window of every epoch, in order."""
+        n = len(self.batches[0])
+        return [
+            len(w)
+            for _ in range(self.epochs)
+            for w in expected_windows(n, self.steps, self.drop_last)
+        ]
+
+
+def _schedulers(made: object, optimizers: int) -> dict[str, Any]:
+    """What ``make_scheduler`` returned, by the name a report gives each: ``scheduler``,
+    or ``schedulers[i]`` for a sequence aligned with the optimizers (None entries left
+    out)."""
+    if made is None:
+        return {}
+    if isinstance(made, Sequence) and not isinstance(made, str):
+        if len(made) != optimizers:
+            msg = (
+                f"make_scheduler returned {len(made)} schedulers for {optimizers} "
+                f"optimizer{'s' * (optimizers > 1)}; return one scheduler or None per optimizer"
+            )
+            raise ConfigError(msg)
+        found = {f"schedulers[{i}]": one for i, one in enumerate(made) if one is not None}
+    else:
+        found = {"scheduler": made}
+    for name, scheduler in found.items():
+        if not callable(getattr(scheduler, "step", None)):
+            msg = f"make_scheduler's {name} must have a step() method, got {describe(scheduler)}"
+            raise ConfigTypeError(msg)
+    return found
+
 
 @dataclass
 class _Run:
     """What one rank measured."""
 
-    optimizer_steps: int
-    scheduler_steps: int | None
+    optimizer_steps: dict[str, int]  # by the name a report gives each
+    scheduler_steps: dict[str, int]
     max_abs_diff: float
     worst_window: int | None
     tolerance: float
     windows: list[Counts]
+    max_grad_diff: float
+    worst_grad_window: int | None
+    grad_problem: tuple[int, str] | None  # the first window whose gradient is off, and why
+    gradients: Literal["full", "norm"]
+    learning_rates: list[list[float]]
+    ddp: bool
 
 
 def _run_on_rank(rank: int, world: int, setup: _Setup) -> _Run:
     return _run(setup, rank)
-
-
-def _full_params(model: nn.Module) -> list[torch.Tensor]:
-    """Every parameter, whole, in float64 on the CPU, in the unwrapped module's order."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    if any(isinstance(module, FullyShardedDataParallel) for module in model.modules()):
-        with FullyShardedDataParallel.summon_full_params(model, writeback=False):
-            return [_cpu64(param) for param in model.parameters()]
-    return [_cpu64(full_tensor(param.detach())) for param in unwrap(model).parameters()]
-
-
-def _cpu64(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().to("cpu", torch.float64).clone()
 
 
 def _to64(batch: Batch) -> Batch:
@@ -424,62 +540,142 @@ def _to64(batch: Batch) -> Batch:
 
 def _run(setup: _Setup, rank: int) -> _Run:
     """Train with the user's loop on this rank, then check it against the reference."""
+    from torch.nn.parallel import DistributedDataParallel
+
     wrapped = setup.make_model()
     if not isinstance(wrapped, nn.Module):
         msg = f"make_model must return a torch.nn.Module, got {describe(wrapped)}"
         raise ConfigTypeError(msg)
     if setup.wrap is not None:
         wrapped = setup.wrap(wrapped)
-    optimizer = setup.make_optimizer(wrapped.parameters())
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        msg = f"make_optimizer must return a torch.optim.Optimizer, got {describe(optimizer)}"
-        raise ConfigTypeError(msg)
-    scheduler = setup.make_scheduler(optimizer) if setup.make_scheduler is not None else None
-    start = _full_params(wrapped)
+    made, optimizers = setup.optimizers(wrapped.parameters())
+    scheduler = setup.make_scheduler(made) if setup.make_scheduler is not None else None
+    schedulers = _schedulers(scheduler, len(optimizers))
+    start = full_params(wrapped)
     dtype = next((p.dtype for p in wrapped.parameters() if p.is_floating_point()), torch.float64)
     tolerance = setup.tolerance
     if tolerance is None:
         tolerance = _TOLERANCES.get(dtype, _LOW_PRECISION_TOLERANCE)
     reference = _Reference(setup, start)  # refuses a model whose parameters it cannot match
-    counter = CollectiveCounter(optimizer)
+    counter = CollectiveCounter()
+    observed = Observed(wrapped, optimizers, counter)
     after: list[list[torch.Tensor]] = []
 
-    def snapshot(*_: object) -> None:
+    def window_closed() -> None:
+        counter.end_window()
         with counter.paused():  # gathering shards to compare them is not training
-            after.append(_full_params(wrapped))
+            after.append(full_params(wrapped))
 
-    scheduler_steps = [0]
-    if scheduler is not None:
-        step = scheduler.step  # counted through the instance, whatever its class
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            scheduler_steps[0] += 1
-            return step(*args, **kwargs)
-
-        scheduler.step = counted
-    hook = optimizer.register_step_post_hook(snapshot)
+    scheduler_steps = dict.fromkeys(schedulers, 0)
+    for name, one in schedulers.items():
+        one.step = _counted(one.step, scheduler_steps, name)  # through the instance
     try:
-        with counter:
+        with observed, WindowWatch(optimizers, window_closed), counter:
             for _ in range(setup.epochs):
-                setup.train(wrapped, optimizer, scheduler, setup.batches[rank])
+                setup.train(wrapped, made, scheduler, setup.batches[rank])
     finally:
-        hook.remove()
-        if scheduler is not None:
-            del scheduler.step  # its class's step again
+        for one in schedulers.values():
+            del one.step  # its class's step again
+    windows = list(reference.windows(observed.hyperparameters))
     worst, where = 0.0, None
-    for index, (got, want) in enumerate(zip(after, reference.trajectory(), strict=False)):
-        for mine, theirs in zip(got, want, strict=True):
-            gap = (mine - theirs).abs().max().item() if mine.numel() else 0.0
-            if not math.isnan(worst) and (math.isnan(gap) or gap > worst):
-                worst, where = gap, index + 1
+    for index, (got, want) in enumerate(zip(after, windows, strict=False)):
+        for mine, theirs in zip(got, want.params, strict=True):
+            if worse(candidate := gap(mine, theirs), worst):
+                worst, where = candidate, index + 1
+    grad_diff, grad_window, grad_problem = _compare_gradients(
+        setup, observed, windows, tolerance, len(setup.batches)
+    )
+    several = len(optimizers) > 1
     return _Run(
-        optimizer_steps=len(after),
-        scheduler_steps=None if scheduler is None else scheduler_steps[0],
+        optimizer_steps={
+            f"optimizers[{i}]" if several else "optimizer": n
+            for i, n in enumerate(observed.steps())
+        },
+        scheduler_steps=scheduler_steps,
         max_abs_diff=worst,
         worst_window=where,
         tolerance=tolerance,
         windows=counter.windows,
+        max_grad_diff=grad_diff,
+        worst_grad_window=grad_window,
+        grad_problem=grad_problem,
+        gradients="norm" if observed.norm_only else "full",
+        learning_rates=observed.learning_rates(),
+        ddp=isinstance(unwrap(wrapped), DistributedDataParallel),
     )
+
+
+def _counted(step: Callable[..., Any], counts: dict[str, int], name: str) -> Callable[..., Any]:
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        counts[name] += 1
+        return step(*args, **kwargs)
+
+    return counted
+
+
+def _compare_gradients(
+    setup: _Setup, observed: Observed, windows: list[_Window], tolerance: float, world: int
+) -> tuple[float, int | None, tuple[int, str] | None]:
+    """The largest gap between each window's gradient and the reference's, its window,
+    and what the first window off the reference shows."""
+    worst, where, problem = 0.0, None, None
+    shapes = [grad.shape for grad in windows[0].grad] if windows else []
+    lengths = setup.window_lengths()
+    previous: Gradient | None = None
+    for index, (got, want) in enumerate(
+        zip(observed.window_gradients(shapes), windows, strict=False)
+    ):
+        expected = want.seen_as(got.positions)
+        if worse(candidate := gap(got.values, expected), worst):
+            worst, where = candidate, index + 1
+        if problem is None and not candidate <= tolerance:
+            accumulated = None  # what the step would have seen had the last one's stayed
+            if got.positions is not None and previous and previous.positions == got.positions:
+                accumulated = _clipped(
+                    previous.values + want.raw_seen_as(got.positions), setup.max_grad_norm
+                )
+            text = gradient_problem(
+                index + 1,
+                got.values,
+                expected,
+                accumulated,
+                length=lengths[index],
+                steps=setup.steps,
+                world=world,
+                items=setup.num_items is not None,
+                norm_only=got.positions is None,
+                tolerance=tolerance,
+            )
+            problem = (index + 1, text)
+        previous = got
+    return worst, where, problem
+
+
+def _clipped(grad: torch.Tensor, max_norm: float | None) -> torch.Tensor:
+    """``grad`` (flat) clipped as ``clip_grad_norm_`` clips to ``max_norm``."""
+    if max_norm is None:
+        return grad
+    return grad * min(1.0, max_norm / (float(grad.norm()) + 1e-6))
+
+
+@dataclass
+class _Window:
+    """The reference after one window."""
+
+    params: list[torch.Tensor]
+    grad: list[torch.Tensor]  # clipped as the trainer's must be
+    raw: list[torch.Tensor]  # before clipping
+
+    def seen_as(self, positions: tuple[int, ...] | None) -> torch.Tensor:
+        """The gradient as a `Gradient` at ``positions`` holds it: those parameters',
+        flat, or for None the whole gradient's norm."""
+        if positions is None:
+            norm: torch.Tensor = torch.linalg.vector_norm(flat(self.grad))
+            return norm.reshape(1)
+        return flat([self.grad[i] for i in positions])
+
+    def raw_seen_as(self, positions: tuple[int, ...]) -> torch.Tensor:
+        return flat([self.raw[i] for i in positions])
 
 
 class _Reference:
@@ -501,50 +697,70 @@ class _Reference:
             for param, value in zip(params, start, strict=True):
                 param.copy_(value)
 
-    def trajectory(self) -> Iterator[list[torch.Tensor]]:
-        """The parameters after each window, every epoch."""
+    def windows(self, hyperparameters: list[list[Any]]) -> Iterator[_Window]:
+        """The reference after each window, every epoch, each optimizer stepped at the
+        hyperparameters the trainer's held at its step of that window (its own
+        ``make_optimizer``'s, where the trainer's made fewer steps)."""
         setup = self.setup
         data = [[_to64(batch) for batch in mine] for mine in setup.batches]
-        optimizer = setup.make_optimizer(self.model.parameters())
-        scheduler = setup.make_scheduler(optimizer) if setup.make_scheduler else None
+        _, optimizers = setup.optimizers(self.model.parameters())
         params = list(self.model.parameters())
+        step = 0
         for _ in range(setup.epochs):
             for window in expected_windows(len(data[0]), setup.steps, setup.drop_last):
-                optimizer.zero_grad(set_to_none=True)
+                self.model.zero_grad(set_to_none=True)
                 micro = [mine[i] for mine in data for i in window]
                 big = _window_loss(self.model, setup.loss, micro, setup.num_items)
                 big.backward()  # type: ignore[no-untyped-call]  # torch leaves it untyped
+                raw = [_grad_of(param) for param in params]
                 if setup.max_grad_norm is not None:
                     nn.utils.clip_grad_norm_(params, setup.max_grad_norm)
-                optimizer.step()
-                if scheduler is not None:
-                    scheduler.step()
-                yield [param.detach().clone() for param in params]
+                grad = [_grad_of(param) for param in params]
+                for optimizer, seen in zip(optimizers, hyperparameters, strict=True):
+                    if step < len(seen):
+                        apply_hyperparameters(optimizer, seen[step], step)
+                    optimizer.step()
+                step += 1
+                yield _Window([param.detach().clone() for param in params], grad, raw)
+
+
+def _grad_of(param: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(param) if param.grad is None else cpu64(param.grad)
 
 
 def _merge(setup: _Setup, runs: list[_Run]) -> AccumulationReport:
-    """One report from every rank's run: the worst gap, rank 0's counts, and whether the
-    ranks agree."""
+    """One report from every rank's run: the worst gaps, rank 0's counts, the first
+    window whose gradient is off on any rank, and whether the ranks agree."""
     first = runs[0]
     n = len(setup.batches[0])
     expected = total_steps(n, setup.steps, setup.epochs, setup.drop_last)
     worst, where = first.max_abs_diff, first.worst_window
+    grad_worst, grad_where = first.max_grad_diff, first.worst_grad_window
     for run in runs[1:]:
-        if not math.isnan(worst) and (math.isnan(run.max_abs_diff) or run.max_abs_diff > worst):
+        if worse(run.max_abs_diff, worst):
             worst, where = run.max_abs_diff, run.worst_window
+        if worse(run.max_grad_diff, grad_worst):
+            grad_worst, grad_where = run.max_grad_diff, run.worst_grad_window
     per_window = usual(first.windows)
     problems = []
     agree = True
-    formula = f"total_steps({n}, {setup.steps}, {setup.epochs}, drop_last={setup.drop_last})"
-    for name, counts in (
-        ("optimizer", [run.optimizer_steps for run in runs]),
-        ("scheduler", [run.scheduler_steps for run in runs if run.scheduler_steps is not None]),
-    ):
+    for name in [*first.optimizer_steps, *first.scheduler_steps]:
+        counts = [{**run.optimizer_steps, **run.scheduler_steps}[name] for run in runs]
         if len(set(counts)) > 1:
             agree = False
             problems.append(f"the ranks disagree on the {name} steps: {counts}")
-        elif counts and counts[0] != expected:
-            problems.append(f"{counts[0]} {name} steps, expected {expected} = {formula}")
+        elif problem := step_problem(
+            name,
+            counts[0],
+            n_batches=n,
+            steps=setup.steps,
+            epochs=setup.epochs,
+            drop_last=setup.drop_last,
+        ):
+            problems.append(problem)
+    off = [run.grad_problem for run in runs if run.grad_problem is not None]
+    if off:
+        problems.append(min(off, key=lambda found: found[0])[1])
     if not worst <= first.tolerance:
         problems.append(
             f"parameters off the float64 big-batch reference by {worst:.1e} after window "
@@ -552,17 +768,17 @@ def _merge(setup: _Setup, runs: list[_Run]) -> AccumulationReport:
         )
     for kind, count in setup.expect_collectives.items():
         got = per_window.collectives.get(kind, 0)
-        if got != count:
-            problems.append(
-                f"{in_words(got, kind)} per window at steps={setup.steps}, expected {count}"
-            )
+        if problem := collective_problem(kind, got, count, steps=setup.steps, ddp=first.ddp):
+            problems.append(problem)
     return AccumulationReport(
         steps=setup.steps,
         world_size=len(setup.batches),
         mode="mean" if setup.num_items is None else "items",
         expected_steps=expected,
-        optimizer_steps=first.optimizer_steps,
-        scheduler_steps=first.scheduler_steps,
+        optimizer_steps=_farthest(first.optimizer_steps.values(), expected),
+        scheduler_steps=(
+            _farthest(first.scheduler_steps.values(), expected) if first.scheduler_steps else None
+        ),
         max_abs_diff=worst,
         worst_window=where,
         tolerance=first.tolerance,
@@ -571,4 +787,13 @@ def _merge(setup: _Setup, runs: list[_Run]) -> AccumulationReport:
         expected_collectives=dict(setup.expect_collectives),
         ranks_agree=agree,
         problems=problems,
+        max_grad_diff=grad_worst,
+        worst_grad_window=grad_where,
+        gradients=first.gradients,
+        learning_rates=first.learning_rates,
     )
+
+
+def _farthest(counts: Iterable[int], expected: int) -> int:
+    """The count farthest from ``expected``, so that no optimizer hides another."""
+    return max(counts, key=lambda count: abs(count - expected))

@@ -3,11 +3,13 @@ traceback, and nothing left running."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import io
 import multiprocessing
 import os
 import pickle
+import signal
 import tempfile
 import time
 import traceback
@@ -37,7 +39,10 @@ class LaunchError(GradaccumError, RuntimeError):
     """
 
     def __init__(self, failures: Mapping[int, str], results: Mapping[int, Any]) -> None:
-        lines = [f"{len(failures)} of {len(failures) + len(results)} ranks failed"]
+        lines = [
+            f"{len(failures)} of {len(failures) + len(results)} ranks failed; every rank "
+            "and every process a rank started have been ended"
+        ]
         lines += [f"--- rank {rank} ---\n{text}" for rank, text in sorted(failures.items())]
         super().__init__("\n".join(lines))
         self.failures = dict(failures)
@@ -74,7 +79,10 @@ def run_ranks(
     one intra-op thread; a barrier connects them all before ``fn`` runs. A collective
     that waits longer than ``timeout`` seconds raises on its rank; a rank that has not
     answered ``2 * timeout`` seconds after the launch (start-up included) is killed.
-    Every process is gone when this returns or raises.
+    Each rank leads a process group of its own, so that the processes it starts (a
+    ``DataLoader``'s workers, a subprocess) are in it; once the ranks have answered or
+    been killed, each group is killed whole. Every process is gone when this returns or
+    raises, but one that left its rank's group (``setsid``).
 
     What crosses the process boundary: ``fn`` is pickled by reference, so it must be a
     module-level function (or a ``functools.partial`` of one) of a module the ranks can
@@ -197,18 +205,32 @@ def _launch(
             for process in processes:
                 process.join(timeout=max(0.0, deadline - time.monotonic()))
         finally:
-            for process in processes:  # a rank still running now hangs: end it
-                if process.is_alive():
-                    process.kill()
-                if process.pid is not None:
-                    process.join()
+            for process in processes:  # a rank still running now hangs
+                _end(process)
     for rank, process in enumerate(processes):
         if rank not in answers:
-            why = "was killed" if process.exitcode == -9 else f"exit code {process.exitcode}"
+            why = (
+                "was killed, with every process it started"
+                if process.exitcode == -signal.SIGKILL
+                else f"exit code {process.exitcode}"
+            )
             answers[rank] = _Answer(
                 rank, error=f"rank {rank} gave no answer within {2 * timeout:g} s ({why})"
             )
     return [answers[rank] for rank in range(world)]
+
+
+def _end(process: multiprocessing.process.BaseProcess) -> None:
+    """Kill ``process`` and its process group (what it started), and reap it."""
+    if process.pid is None:
+        return  # never started
+    # The rank leads its group from its first line; before that, or once the group is
+    # empty, there is none to kill.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    if process.is_alive():
+        process.kill()
+    process.join()
 
 
 def _rank_main(
@@ -222,6 +244,7 @@ def _rank_main(
     kwargs: dict[str, Any],
     queue: Any,
 ) -> None:
+    os.setpgid(0, 0)  # what this rank starts joins its group, which the launcher kills
     os.environ.update(MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo")
     torch.set_num_threads(1)
     try:

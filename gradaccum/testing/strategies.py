@@ -16,7 +16,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hypothesis import strategies as st
+try:
+    from hypothesis import strategies as st
+except ImportError as error:
+    msg = (
+        "gradaccum.testing.strategies needs hypothesis, which the testing extra installs: "
+        "pip install gradaccum[testing]"
+    )
+    raise ImportError(msg, name="hypothesis") from error
 
 from gradaccum.schedule import check_count, check_positive, total_steps
 from gradaccum.testing.equivalence import expected_windows

@@ -1,0 +1,151 @@
+"""What a broken promise most likely means: each of `check_accumulation`'s problems in
+words, with the mistake that explains what was observed (step counts, collectives per
+window, a window's gradient against the reference's), never from knowing the trainer."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gradaccum.schedule import total_steps
+from gradaccum.schedule import trained_microbatches as _trained
+from gradaccum.testing.counting import in_words
+
+__all__ = ["collective_problem", "gap", "gradient_problem", "step_problem", "worse"]
+
+
+def gap(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest absolute difference between two tensors (NaN if one holds NaN)."""
+    return (got - want).abs().max().item() if got.numel() else 0.0
+
+
+def worse(candidate: float, worst: float) -> bool:
+    """Whether ``candidate`` is a worse gap than ``worst``: larger, or the first NaN."""
+    return not math.isnan(worst) and (math.isnan(candidate) or candidate > worst)
+
+
+def step_problem(
+    label: str, count: int, *, n_batches: int, steps: int, epochs: int, drop_last: bool
+) -> str | None:
+    """``12 scheduler steps, expected 3 = total_steps(...)``, and what the count suggests;
+    None when the count is the expected one."""
+    expected = total_steps(n_batches, steps, epochs, drop_last)
+    if count == expected:
+        return None
+    formula = f"total_steps({n_batches}, {steps}, {epochs}, drop_last={drop_last})"
+    problem = f"{count} {label} steps, expected {expected} = {formula}"
+    remainder = n_batches % steps
+    partial = f"the trailing partial window of {remainder} microbatch{'es' * (remainder > 1)}"
+    if steps > 1 and count in (_trained(n_batches, steps, drop_last) * epochs, n_batches * epochs):
+        hint = (
+            f"one per microbatch; is {label}.step() called every microbatch, not once per window?"
+        )
+    elif remainder and drop_last and count == expected + epochs:
+        hint = f"{partial} was stepped; with drop_last=True it is dropped (pass drop_last=False)"
+    elif remainder and not drop_last and count == expected - epochs:
+        hint = f"{partial} was never stepped; with drop_last=False it is (pass drop_last=True)"
+    elif count == 0:
+        hint = f"{label}.step() was never called" + (
+            "; a trainer that sets the learning rate by hand needs no make_scheduler"
+            if label.startswith("scheduler")
+            else ""
+        )
+    elif count < expected:
+        hint = (
+            f"{expected - count} window{'s were' if expected - count > 1 else ' was'} never "
+            f"stepped; is {label}.step() reached at the end of every window, each epoch's "
+            "last included?"
+        )
+    else:
+        return problem
+    return f"{problem}: {hint}"
+
+
+def gradient_problem(
+    window: int,
+    got: torch.Tensor,
+    want: torch.Tensor,
+    accumulated: torch.Tensor | None,
+    *,
+    length: int,
+    steps: int,
+    world: int,
+    items: bool,
+    norm_only: bool,
+    tolerance: float,
+) -> str:
+    """What the first window whose gradient is off the reference's shows.
+
+    Args:
+        window: The window, from 1.
+        got: The gradient its optimizer steps saw (flat), or its norm alone.
+        want: The reference's, clipped as the trainer's was.
+        accumulated: What a trainer that never zeroed the gradient would have seen: the
+            previous window's gradient plus this one's (clipped), or None.
+        length: The window's microbatches.
+        steps: Microbatches per full window.
+        world: Ranks.
+        items: Item mode (the loss a sum over the window's items).
+        norm_only: ``got`` and ``want`` are norms.
+        tolerance: The largest gap accepted.
+    """
+    noun = "gradient norm" if norm_only else "gradient"
+    squared = float(want @ want)
+    scale = float(got @ want) / squared if squared > 0 else math.nan
+    if math.isfinite(scale) and gap(got, scale * want) <= tolerance:
+        hint = None if items else _factor_hint(scale, length, steps, world)
+        return f"the {noun} of window {window} is {scale:.2f}x the reference's" + (
+            f": {hint}" if hint else ""
+        )
+    if accumulated is not None and gap(got, accumulated) <= tolerance:
+        return (
+            f"the gradient of window {window} is the reference's plus window {window - 1}'s: "
+            "is zero_grad() called after every optimizer.step()?"
+        )
+    return (
+        f"the {noun} of window {window} is off the float64 big-batch reference by "
+        f"{gap(got, want):.1e} (tolerance {tolerance:.0e})"
+    )
+
+
+def _factor_hint(scale: float, length: int, steps: int, world: int) -> str | None:
+    """The mistake a gradient ``scale`` times the reference's points to, in mean mode."""
+
+    def near(factor: float) -> bool:
+        return math.isclose(scale, factor, rel_tol=1e-3)
+
+    if length > 1 and near(length):
+        return "is the loss divided by steps?"
+    if length < steps and near(length / steps):
+        return (
+            f"it is the trailing partial window, of {length} microbatch"
+            f"{'es' * (length > 1)}; is its loss divided by steps={steps} instead of by {length}?"
+        )
+    if length > 1 and near(1 / length):
+        return "is the loss divided by steps twice?"
+    if world > 1 and near(world):
+        return f"are the gradients summed over the {world} ranks instead of averaged?"
+    return None
+
+
+def collective_problem(kind: str, got: int, count: int, *, steps: int, ddp: bool) -> str | None:
+    """``4 all-reduces per window at steps=4, expected 1``, and for DDP syncing on every
+    microbatch, why; None when the count is the expected one."""
+    if got == count:
+        return None
+    problem = f"{in_words(got, kind)} per window at steps={steps}, expected {count}"
+    if (
+        kind == "all_reduce"
+        and ddp
+        and steps > 1
+        and got > count
+        and (got - count) % (steps - 1) == 0
+    ):
+        problem += (
+            ": DDP all-reduced on every microbatch. It decides during the forward whether "
+            "the backward all-reduces, so the forward belongs inside no_sync() with its "
+            "backward, on every microbatch but a window's last (or set "
+            "require_backward_grad_sync before the forward, or use gradaccum.Accumulator)"
+        )
+    return problem

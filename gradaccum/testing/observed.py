@@ -1,0 +1,214 @@
+"""What a trainer's optimizers held at each ``optimizer.step()``: the hyperparameters of
+every param group and the full (unsharded) gradient of their parameters, read by a step
+pre-hook, so that the reference can step as the trainer did and be compared with what
+each step saw."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradaccum.errors import ConfigError
+from gradaccum.sync import full_tensor, unwrap
+from gradaccum.testing.counting import CollectiveCounter
+
+__all__ = ["Gradient", "Observed", "apply_hyperparameters", "cpu64", "flat", "full_params"]
+
+Groups = list[dict[str, Any]]  # one optimizer's param groups, without their params
+# Param-group entries that choose an implementation, not the update: the reference, on
+# the CPU in float64, keeps its own (a CUDA trainer's capturable=True cannot run there).
+_IMPLEMENTATION = frozenset({"params", "foreach", "fused", "capturable", "differentiable"})
+
+
+def cpu64(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, dense, detached, in float64 on the CPU, a copy."""
+    dense = tensor.to_dense() if tensor.is_sparse else tensor
+    return dense.detach().to("cpu", torch.float64).clone()
+
+
+def _fsdp1(model: nn.Module) -> Any:
+    """The outermost FSDP1 module of ``model``, or None."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return next((m for m in model.modules() if isinstance(m, FullyShardedDataParallel)), None)
+
+
+def full_params(model: nn.Module) -> list[torch.Tensor]:
+    """Every parameter, whole, in float64 on the CPU, in the unwrapped module's order."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if _fsdp1(model) is not None:
+        with FullyShardedDataParallel.summon_full_params(model, writeback=False):
+            return [cpu64(param) for param in model.parameters()]
+    return [cpu64(full_tensor(param.detach())) for param in unwrap(model).parameters()]
+
+
+def _fsdp1_grad_norm(model: nn.Module) -> float:
+    """The norm of an FSDP1 model's whole gradient, from each module's flat gradient
+    shard: its squared norm, summed over the ranks it is sharded across, in float64."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+
+    total = 0.0
+    for module in FullyShardedDataParallel.fsdp_modules(model):
+        flat = module._flat_param  # a module that wraps no parameter has none
+        if flat is None:
+            continue
+        grad = flat.grad if flat.grad is not None else torch.zeros_like(flat)
+        squared = grad.detach().to(torch.float64).square().sum()
+        if module.sharding_strategy != ShardingStrategy.NO_SHARD:
+            dist.all_reduce(squared, group=module.process_group)
+        total += squared.item()
+    return math.sqrt(total)
+
+
+@dataclass
+class Gradient:
+    """The gradient one window's optimizer steps saw, flat, in float64.
+
+    Attributes:
+        values: The gradients of the parameters at ``positions``, one after another; or,
+            with ``positions`` None, the whole gradient's norm alone.
+        positions: The parameters (indices in the unwrapped module's order) it holds.
+    """
+
+    values: torch.Tensor
+    positions: tuple[int, ...] | None
+
+
+class Observed:
+    """Reads, at each step of each of ``optimizers``, the hyperparameters of its param
+    groups and the full gradient of its parameters (``with observed:`` installs the
+    hooks). Under FSDP1, whose gradients are flat shards, it reads the whole gradient's
+    norm instead, at the first optimizer's step.
+
+    Attributes:
+        hyperparameters: Per optimizer, per step, each param group's entries but its
+            parameters and implementation flags (a tensor value cloned).
+        grads: Per optimizer, per step, each parameter's full gradient (None without
+            one) by its index in the unwrapped module's order.
+        norms: Under FSDP1, the whole gradient's norm at each step of the first optimizer.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer],
+        counter: CollectiveCounter,
+    ) -> None:
+        self._model = model
+        self._optimizers = tuple(optimizers)
+        self._counter = counter
+        self._fsdp1 = _fsdp1(model)
+        self._index = {id(param): i for i, param in enumerate(unwrap(model).parameters())}
+        self.hyperparameters: list[list[Groups]] = [[] for _ in optimizers]
+        self.grads: list[list[dict[int, torch.Tensor | None]]] = [[] for _ in optimizers]
+        self.norms: list[float] = []
+        self._hooks = ExitStack()
+
+    @property
+    def norm_only(self) -> bool:
+        """Whether the gradients are compared by their norm alone (FSDP1)."""
+        return self._fsdp1 is not None
+
+    def __enter__(self) -> Observed:
+        for index, optimizer in enumerate(self._optimizers):
+            hook = optimizer.register_step_pre_hook(functools.partial(self._read, index))
+            self._hooks.callback(hook.remove)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.close()
+
+    def _read(self, index: int, optimizer: torch.optim.Optimizer, *_: object) -> None:
+        with self._counter.paused():  # reading and gathering is not training
+            self.hyperparameters[index].append(
+                [
+                    {
+                        key: value.detach().clone()
+                        if isinstance(value, torch.Tensor)
+                        else copy.deepcopy(value)
+                        for key, value in group.items()
+                        if key not in _IMPLEMENTATION
+                    }
+                    for group in optimizer.param_groups
+                ]
+            )
+            if self._fsdp1 is None:
+                self.grads[index].append(self._full_grads(optimizer))
+            elif index == 0:
+                self.norms.append(_fsdp1_grad_norm(self._model))
+
+    def _full_grads(self, optimizer: torch.optim.Optimizer) -> dict[int, torch.Tensor | None]:
+        found: dict[int, torch.Tensor | None] = {}
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                position = self._index.get(id(param))
+                if position is not None:
+                    grad = param.grad
+                    found[position] = None if grad is None else cpu64(full_tensor(grad))
+        return found
+
+    def steps(self) -> list[int]:
+        """How many times each optimizer stepped."""
+        return [len(steps) for steps in self.hyperparameters]
+
+    def window_gradients(self, shapes: Sequence[torch.Size]) -> Iterator[Gradient]:
+        """The gradient each window's steps saw: the first optimizer's ``k``-th step with
+        the others' ``k``-th, a missing gradient as zeros of the parameter's ``shapes``."""
+        if self.norm_only:
+            yield from (
+                Gradient(torch.tensor([norm], dtype=torch.float64), None) for norm in self.norms
+            )
+            return
+        for steps in zip(*self.grads, strict=False):
+            merged = {position: grad for step in steps for position, grad in step.items()}
+            positions = tuple(sorted(merged))
+            values = [
+                torch.zeros(shapes[i], dtype=torch.float64) if merged[i] is None else merged[i]
+                for i in positions
+            ]
+            yield Gradient(flat(values), positions)
+
+    def learning_rates(self) -> list[list[float]]:
+        """Per window, the learning rate of every param group, optimizer by optimizer."""
+        return [
+            [float(group["lr"]) for groups in steps for group in groups if "lr" in group]
+            for steps in zip(*self.hyperparameters, strict=False)
+        ]
+
+
+def flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``tensors`` one after another, flat (float64 when there are none)."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float64)
+    return torch.cat([tensor.reshape(-1) for tensor in tensors])
+
+
+def apply_hyperparameters(optimizer: torch.optim.Optimizer, groups: Groups, step: int) -> None:
+    """Set ``optimizer``'s param groups to the entries a trainer's optimizer held at its
+    ``step``-th step (from 0); a 0-dim tensor value as a float.
+
+    Raises:
+        ConfigError: The trainer's optimizer had another number of param groups.
+    """
+    if len(groups) != len(optimizer.param_groups):
+        msg = (
+            f"the trainer's optimizer held {len(groups)} param groups at its step {step + 1}, "
+            f"make_optimizer builds {len(optimizer.param_groups)}: the reference cannot "
+            "follow hyperparameters set on groups it does not have; build every group in "
+            "make_optimizer"
+        )
+        raise ConfigError(msg)
+    for group, seen in zip(optimizer.param_groups, groups, strict=True):
+        for key, value in seen.items():
+            is_scalar = isinstance(value, torch.Tensor) and value.numel() == 1
+            group[key] = value.item() if is_scalar else value
