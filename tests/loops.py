@@ -220,14 +220,17 @@ def two_optimizer_loop(
                     scheduler.step()
 
 
-def two_optimizer_check(world: int = 1, **options: Any) -> AccumulationReport:
-    """`two_optimizer_loop` (``options`` go to it) checked, under DDP on several ranks."""
+def two_optimizer_check(
+    world: int = 1, loop: Any = two_optimizer_loop, **options: Any
+) -> AccumulationReport:
+    """``loop`` (``options`` go to it; the hand-written `two_optimizer_loop` by default)
+    checked with `split_optimizers`, under DDP on several ranks."""
     from torch.nn.parallel import DistributedDataParallel
 
     return check_accumulation(
         make_model,
         split_optimizers,
-        functools.partial(two_optimizer_loop, **options),
+        functools.partial(loop, **options),
         [rank_batches(rank) for rank in range(world)],
         mean_loss,
         steps=STEPS,
@@ -324,6 +327,7 @@ def checks(rank: int, world: int) -> dict[str, Any]:
         "nanogpt_unscaled_sgd": nanogpt_check(sgd, world, divide=False),
         "two_optimizers": two_optimizer_check(world),
         "two_optimizers_unscaled": two_optimizer_check(world, divide=False),
+        "two_optimizers_accumulator": two_optimizer_check(world, accumulator_loop),
     }
     found["buckets"] = {}
     for name, forward_inside in (("forward_outside", False), ("forward_inside", True)):

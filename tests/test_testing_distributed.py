@@ -155,9 +155,9 @@ def test_a_gradient_summed_over_the_ranks_is_named() -> None:
 
 
 def test_two_optimizers_under_ddp() -> None:
-    """SGD on the weights and Adam on the biases, one all-reduce per window: exact; not
-    dividing by steps is named."""
-    for report in checked("two_optimizers"):
+    """SGD on the weights and Adam on the biases, one all-reduce per window: exact, by hand
+    and through the several-optimizer `Accumulator`; not dividing by steps is named."""
+    for report in [*checked("two_optimizers"), *checked("two_optimizers_accumulator")]:
         assert report.ok, report
         assert len(report.windows) == 3
         assert report.max_grad_diff <= TOL

@@ -266,6 +266,8 @@ def test_two_optimizers_and_their_schedulers() -> None:
     per pair of steps; what either optimizer's step saw, or its count, is checked."""
     report = loops.two_optimizer_check()
     assert report.ok, report
+    through_the_accumulator = loops.two_optimizer_check(loop=loops.accumulator_loop)
+    assert through_the_accumulator.ok, through_the_accumulator
     assert report.max_grad_diff <= TOL
     assert report.max_abs_diff <= TOL
     assert (report.optimizer_steps, report.scheduler_steps) == (3, 3)
