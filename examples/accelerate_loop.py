@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
                     )
     acc.close()
     check(accelerator, model, acc, trained[:-1])
+    accelerator.end_training()  # destroys the process group: no thread left at exit
 
 
 def check(

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from typing_extensions import Self
 
-from gradaccum import boundary, checks, faults, misuse, record, resuming, stepping
+from gradaccum import boundary, checks, faults, hooks, misuse, record, resuming, stepping
 from gradaccum.checks import NonFinitePolicy
 from gradaccum.errors import (
     ConfigError,
@@ -305,8 +305,17 @@ class Accumulator:
         self._stepper = stepping.Stepper(
             self, parts.optimizers, parts.schedulers, scaler, self._open_where
         )
-        self._unguard = (
-            faults.guard_forwards(model, self._forward_failed) if self._ranks.count > 1 else None
+        # Hooks on the model, only where something listens: DDP's forward-time decision,
+        # and a forward's collective failing under several ranks (gradaccum.hooks).
+        several, decides = self._ranks.count > 1, self._strategy.decides_in_forward
+        self._watch = (
+            hooks.watch(
+                model,
+                before=self._forward_started if decides else None,
+                failed=self._forward_failed if several else None,
+            )
+            if several or decides
+            else None
         )
         self._arm()
 
@@ -472,9 +481,9 @@ class Accumulator:
             elif change == "changed":
                 self._warn_changed()
         try:
-            seen = self._strategy.unsynced_forward()
-            if seen is not None:
-                self._warn_forward(seen)
+            actual = self._strategy.overridden()
+            if actual is not None:
+                self._warn_overridden(actual)
             scaled = loss if num_items is not None or window.divisor == 1 else loss / window.divisor
             if self._options.scaler is not None:
                 scaled = self._options.scaler.scale(scaled)
@@ -487,12 +496,14 @@ class Accumulator:
                     if window.done:
                         self._grads.update()
                     else:
-                        self._grads.start(self.optimizers)
+                        self._grads.start(self.optimizers, self.model)
                 return self._block.idle
             self._block.step = self._prepare_boundary()
         except BaseException as error:
             window.in_block = False
-            self._fail(error, in_collectives=True)
+            failed = self._fail(error, in_collectives=True)
+            if failed is not None:
+                raise failed from error
             raise
         return self._block.step
 
@@ -518,16 +529,37 @@ class Accumulator:
             "boundary's block (when step.boundary is True)"
         )
 
-    def _warn_forward(self, seen: bool) -> None:
-        """This loss's forward (the oldest not yet back-propagated) saw another sync state
-        than this backward needs: the wrapper decided in that forward."""
-        window = self._window
+    def _warn_overridden(self, actual: bool) -> None:
+        """This backward will communicate otherwise than was armed: DDP's forward saw
+        another flag (it ran ahead of its block, or inside a ``no_sync()`` of the user's
+        own), or someone else turned the wrapper's sync off or on since it was armed."""
+        window, strategy = self._window, self._strategy
+        will = "reduce" if actual else "not reduce"
+        lost = (
+            ", so this window's gradient is not reduced over the ranks and its update is "
+            "wrong (under DDP the ranks' parameters drift apart)"
+            if not actual and window.next_is_boundary
+            else ""
+        )
+        if strategy.decides_in_forward:
+            cause = (
+                f"the forward of {window.where()} ran while DDP was set to "
+                f"{'all-reduce' if actual else 'defer'} (ahead of its block, or inside a "
+                "no_sync() of your own)"
+            )
+            fix = (
+                "run each microbatch's forward right before its `with acc.microstep(loss):` "
+                "block, outside any no_sync(): the accumulator sets DDP's flag itself"
+            )
+        else:
+            cause = (
+                f"the sync state of {type(strategy).__name__} was changed since the accumulator "
+                "armed it (by a no_sync() or set_requires_gradient_sync() of your own?)"
+            )
+            fix = "remove that call: the accumulator sets the wrapper's sync for every microstep"
         warn(
-            f"the forward of {window.where()} ran while DDP was set to "
-            f"{'all-reduce' if seen else 'defer'} for another microstep, so this backward "
-            f"will {'' if seen else 'not '}all-reduce"
-            f"{' and the window gradient is not synced' if not seen else ''}; run each "
-            "microbatch's forward right before its `with acc.microstep(loss):` block"
+            f"the backward of {window.where()} will {will} the gradient, which is not "
+            f"what the accumulator armed: {cause}{lost}; {fix}"
         )
 
     def _prepare_boundary(self) -> Step:
@@ -608,38 +640,48 @@ class Accumulator:
 
     def _fail(
         self, error: BaseException, *, applied: bool = False, in_collectives: bool = False
-    ) -> None:
+    ) -> RankFailedError | None:
         """After ``error``: drop the open window (unless it was applied, and so counted); under
         several ranks, say which rank failed.
 
         A rank that raises records the failure in the process group's store and refuses
         further microsteps: its windows no longer line up with the others'. A rank whose
         forward, backward or boundary (``in_collectives``: where the collectives run)
-        fails after another rank recorded a failure raises `RankFailedError` naming that
-        rank and the window each of the two stopped in.
+        fails after another rank recorded a failure gets the `RankFailedError` to raise
+        from ``error``, naming that rank and the window each of the two stopped in.
         """
         if not applied:
             self._clear_window()
             self._plan.recut(self._steps)  # the next windows start after the failed microbatch
         if self._ranks.count == 1 or isinstance(error, NonFiniteError):  # every rank raised that
-            return
+            return None
         number = self._global_step + (not applied)  # the window this rank stopped in
         peer = self._ranks.first_failure() if in_collectives else None
         if peer is not None:
             self._life.break_(f"rank {peer.rank} failed ({peer.what})")
-            raise RankFailedError(
-                _rank_failed(self._ranks.rank, number, applied, peer), peer.rank, number, applied
-            ) from error
+            message = _rank_failed(self._ranks.rank, number, applied, peer)
+            return RankFailedError(message, peer.rank, number, applied)
         self._ranks.record_failure(number, applied, error)
         reason = f"{type(error).__name__}: {error}"
         self._life.break_(f"this rank failed in window {number} ({reason})")
+        return None
+
+    def _forward_started(self) -> None:
+        """Before each forward of the model (gradaccum.hooks): the strategy may record the
+        state that forward decides by."""
+        self._strategy.forward_started()
 
     def _forward_failed(self, error: BaseException) -> None:
-        """A forward of the model raised outside a microstep block (the block's exit sees
-        an error raised in it): this rank failed, or its collective did because another
-        rank had (then `RankFailedError`, raised from ``error``)."""
-        if not self._window.in_block and self._life.state is State.OPEN:
-            self._fail(error, in_collectives=True)
+        """A forward of the model raised, outside a microstep block (the block's exit sees an
+        error raised in it). This rank failed, or its collective did because another rank
+        had: ``model(x)`` runs outside any gradaccum call, so the error cannot be replaced
+        by a `RankFailedError` there; it gets that error's message as a note instead, and
+        the accumulator is broken with it."""
+        if self._window.in_block or self._life.state is not State.OPEN:
+            return
+        failed = self._fail(error, in_collectives=True)
+        if failed is not None:
+            faults.add_note(error, f"gradaccum.RankFailedError: {failed}")
 
     # Epochs -----------------------------------------------------------------------
 
@@ -948,7 +990,7 @@ class Accumulator:
             window.divisor, window.by_items = saved.window.divisor, saved.window.by_items
             window.items, window.losses = list(saved.window.items), list(saved.window.losses)
             if self._strategy.grads_in_params:
-                self._grads.start(self.optimizers)
+                self._grads.start(self.optimizers, self.model)
             self._arm()
 
     def _check_window_fits(self, window: record.SavedWindow, params: list[torch.Tensor]) -> None:
@@ -985,8 +1027,8 @@ class Accumulator:
         if self._stepper is not None:
             self._stepper.release(self)
             self._strategy.restore()
-            if self._unguard is not None:
-                self._unguard()
+            if self._watch is not None:
+                self._watch.remove()
             self._stepper = None  # type: ignore[assignment]
 
     def __enter__(self) -> Self:

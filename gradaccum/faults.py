@@ -1,6 +1,7 @@
 """Which rank failed first: a record in the process group's store that the others read,
-and a guard that lets a failing forward's collective (FSDP's all-gather, DDP's
-broadcast) be named like a backward's.
+and a note that names it on the error of a failing forward's collective (FSDP's
+all-gather, DDP's broadcast), whose ``model(x)`` runs outside any gradaccum call
+(gradaccum.hooks reports it).
 
 A rank whose microstep (or forward) raises writes one line in the default group's store,
 under one key for the whole job (its tensor-parallel peers are in other data-parallel
@@ -11,14 +12,11 @@ that failed rather than only the broken connection.
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch.distributed as dist
-from torch import nn
 
-__all__ = ["Failure", "first_failure", "guard_forwards", "record_failure"]
+__all__ = ["Failure", "add_note", "first_failure", "record_failure"]
 
 
 class Failure(NamedTuple):
@@ -73,35 +71,11 @@ def first_failure() -> Failure | None:
     return Failure(int(rank), int(window), applied == "1", what)
 
 
-def guard_forwards(model: nn.Module, failed: Callable[[BaseException], None]) -> Callable[[], None]:
-    """Call ``failed(error)`` when a forward of ``model`` raises, before the error leaves
-    the call (``failed`` may raise another, from it); return the function that removes
-    the guard.
-
-    The wrapper's collectives in a forward (FSDP's all-gather, DDP's buffer and bucket
-    broadcasts) run in its hooks, before ``forward``, so ``model`` gets a subclass of its
-    own class whose ``__call__`` wraps the call (as ``fully_shard`` itself subclasses).
-    ``failed`` is held weakly: a forgotten accumulator costs nothing.
-    """
-    original = type(model)
-    handler = weakref.WeakMethod(failed)
-
-    def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return original.__call__(self, *args, **kwargs)
-        except Exception as error:
-            method = handler()
-            if method is not None:
-                method(error)
-            raise
-
-    namespace = {"__call__": call, "__module__": original.__module__}
-    guarded = type(original.__name__, (original,), namespace)
-    guarded.__qualname__ = original.__qualname__
-    model.__class__ = guarded
-
-    def remove() -> None:
-        if type(model) is guarded:
-            model.__class__ = original
-
-    return remove
+def add_note(error: BaseException, note: str) -> None:
+    """Add ``note`` to ``error``'s traceback (PEP 678; kept in ``__notes__`` on 3.10, where
+    tracebacks do not show it), without changing the error's type or message."""
+    add = getattr(error, "add_note", None)
+    if add is not None:
+        add(note)
+    else:
+        error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]

@@ -48,10 +48,14 @@ class SyncStrategy(Protocol):
         grads_in_params: A deferred window's partial gradient is plain ``param.grad``
             (default False): it can be saved mid-window, and a ``zero_grad()`` that
             wipes it is caught.
+        decides_in_forward: The wrapper decides during the forward whether the backward
+            communicates (DDP; default False): `forward_started` is called before each
+            forward of the model.
     """
 
     group: dist.ProcessGroup | None
     grads_in_params: bool = False
+    decides_in_forward: bool = False
 
     def arm(self, sync: bool) -> None:
         """Prepare the next backward: ``True`` on a window's last microstep (or under
@@ -65,10 +69,16 @@ class SyncStrategy(Protocol):
         share, and return that norm (default: `clip_grad_norm`)."""
         return clip_grad_norm(params, max_norm)
 
-    def unsynced_forward(self) -> bool | None:
-        """For a wrapper that decides in the forward whether the backward communicates,
-        called before each microstep's backward: whether it will, when that differs from
-        the state armed now; else (and by default) None."""
+    def forward_started(self) -> None:
+        """Called before each forward of the model when `decides_in_forward` (default:
+        nothing to do)."""
+        return
+
+    def overridden(self) -> bool | None:
+        """Called before each microstep's backward: whether that backward will communicate,
+        when that is not what the strategy was last armed to (someone else changed the
+        wrapper's state, such as a ``no_sync()`` of the user's own, or a wrapper that
+        decides in the forward saw another state); else, and by default, None."""
         return None
 
 
@@ -94,50 +104,56 @@ class DDPSync(SyncStrategy):
 
     The flag is set to what each microstep needs rather than toggled by ``no_sync()``,
     so a state left behind by someone else (an open ``no_sync()``, an accumulator that
-    was never closed) cannot keep a boundary from all-reducing. A forward pre-hook
-    records the flag each forward saw, so that a forward run while the flag was set for
-    another microstep can be reported.
+    was never closed) cannot keep a boundary from all-reducing. Before each forward the
+    accumulator tells it (`forward_started`), so that a forward that saw another flag than
+    the one armed (run ahead of its block, or inside a ``no_sync()`` of the user's own)
+    can be reported at its backward. Two booleans, whatever the number of forwards.
     """
 
     grads_in_params = True  # a deferred window's gradient is plain `param.grad`
+    decides_in_forward = True
 
     def __init__(self, ddp: Any, *, defer: bool) -> None:
         self._ddp = ddp
         self._defer = defer
         self.group: dist.ProcessGroup | None = ddp.process_group
         self._found: bool = ddp.require_backward_grad_sync
-        self.seen: list[bool] = []  # the flag at each forward under grad mode, since a backward
+        self._armed = self._found
+        self._forwards = False  # a forward under grad mode ran since the last backward
+        self._synced = False  # one of them saw the flag set
         self._consumed = False  # a backward consumed what recorded forwards decided
-        self._hook = ddp.register_forward_pre_hook(self._record)
 
-    def _record(self, ddp: Any, _: object) -> None:
+    def forward_started(self) -> None:
+        """Record the flag the forward about to run will see (under grad mode only: DDP
+        prepares no backward for a forward without grad)."""
         if torch.is_grad_enabled():
-            self.seen.append(ddp.require_backward_grad_sync)
+            self._forwards = True
+            self._synced = self._synced or self._ddp.require_backward_grad_sync
 
-    def unsynced_forward(self) -> bool | None:
-        """Whether this backward all-reduces, if that is not what the flag now set asks:
-        DDP decided in the forward. It does if any forward since the previous backward ran
-        with the flag set (a loss may take several forwards, e.g. a regularizer's); with
-        none, its forward ran before the previous backward (forwards run ahead), which
-        consumed that decision, so it does not."""
-        if self.seen:
-            seen = any(self.seen)
-            self.seen.clear()
+    def overridden(self) -> bool | None:
+        """Whether this backward all-reduces, if that is not what was armed: DDP decided
+        in the forward. It does if any forward since the previous backward ran with the
+        flag set (a loss may take several forwards, e.g. a regularizer's); with none, its
+        forward ran before the previous backward (forwards run ahead), which consumed that
+        decision, so it does not."""
+        if self._forwards:
+            seen = self._synced
+            self._forwards = self._synced = False
             self._consumed = True
         elif self._consumed:
             seen = False
         else:
             return None  # no forward recorded yet: nothing known
-        return None if seen is self._ddp.require_backward_grad_sync else seen
+        return None if seen is self._armed else seen
 
     def arm(self, sync: bool) -> None:
         """All-reduce in the next backward unless it is deferred."""
-        self._ddp.require_backward_grad_sync = sync or not self._defer
+        self._armed = sync or not self._defer
+        self._ddp.require_backward_grad_sync = self._armed
 
     def restore(self) -> None:
-        """Put back the flag as it was found, and remove the forward hook."""
+        """Put back the flag as it was found."""
         self._ddp.require_backward_grad_sync = self._found
-        self._hook.remove()
 
 
 class NoSyncContext(SyncStrategy):
@@ -199,6 +215,10 @@ class FullyShardSync(SyncStrategy):
         beyond = _mesh_of(modules).size() > info.mesh.size()
         self.kind = f"{name} + TP" if beyond else name
         self._found = [_fsdp_flags(module) for module in modules]
+        # One parameter group stands for all: a set_requires_gradient_sync() of the user's
+        # own (recursive by default) changes them all.
+        self._watched = next((group for m in modules for group in _param_groups(m)), None)
+        self._armed: bool | None = None
 
     def __repr__(self) -> str:
         ranks = dist.get_process_group_ranks(self.group) if self.group is not None else []
@@ -211,6 +231,15 @@ class FullyShardSync(SyncStrategy):
         for module in self._modules:
             module.set_requires_gradient_sync(reduce_scatter, recurse=False)
             module.set_requires_all_reduce(all_reduce, recurse=False)
+        self._armed = reduce_scatter
+
+    def overridden(self) -> bool | None:
+        """Whether this backward reduce-scatters, when someone else changed the flag since
+        `arm` (a ``set_requires_gradient_sync()`` of the user's own)."""
+        watched = self._watched
+        if watched is None or self._armed is None or watched.reduce_grads is self._armed:
+            return None
+        return bool(watched.reduce_grads)
 
     def restore(self) -> None:
         """Put back each parameter group's flags as they were found."""
@@ -358,6 +387,14 @@ class FSDP1Sync(NoSyncContext):
     def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         """FSDP1's own clipping: the norm of the whole gradient over the shards."""
         return self._module.clip_grad_norm_(max_norm)  # type: ignore[no-any-return]
+
+    def overridden(self) -> bool | None:
+        """Whether this backward reduces, when that is not what was armed: a ``no_sync()``
+        of the user's own around the microstep (FSDP1's ``_sync_gradients``, which its
+        ``no_sync()`` sets on every FSDP module)."""
+        actual = getattr(self._module, "_sync_gradients", None)
+        armed = self._held is None
+        return None if actual is None or bool(actual) is armed else bool(actual)
 
 
 def _fsdp1(model: nn.Module, policy: SyncPolicy) -> SyncStrategy:

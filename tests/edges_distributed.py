@@ -18,13 +18,14 @@ from tests.helpers import make_model, mean_loss
 def fail_in_a_block(rank: int, world: int, kind: str, index: int) -> dict[str, Any]:
     """Rank 1 raises in the block of its microbatch ``index`` (steps=4); rank 0 goes on.
 
-    What rank 0 caught, the type of its model during and after the accumulator, and what
-    the accumulator says on rank 1 afterwards."""
+    What rank 0 caught (a `RankFailedError`, or the collective's own error with the note
+    naming rank 1 when a forward's collective failed), whether its model kept its type
+    during and after the accumulator, and what the accumulator says on rank 1 afterwards."""
     model = wrap(kind, make_model())
     found = type(model)
     acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=4)
     batches = rank_batches(rank, [2] * 12)
-    outcome: dict[str, Any] = {"guarded": type(model) is not found}
+    outcome: dict[str, Any] = {"same_type_open": type(model) is found}
     try:
         for position, batch in enumerate(acc.epoch(batches)):
             with acc.microstep(mean_loss(model, batch)):
@@ -41,7 +42,7 @@ def fail_in_a_block(rank: int, world: int, kind: str, index: int) -> dict[str, A
             outcome["refused"] = str(refused)
     outcome["global_step"] = acc.global_step
     acc.close()
-    outcome["restored"] = type(model) is found
+    outcome["same_type_closed"] = type(model) is found
     return outcome
 
 
@@ -67,3 +68,35 @@ def two_forwards(rank: int, world: int) -> dict[str, Any]:
         "params": full_params(model, "ddp"),
         "global_step": acc.global_step,
     }
+
+
+def fail_then_leave(rank: int, world: int, kind: str) -> dict[str, Any]:
+    """Rank 1 raises in the block of its second microbatch (steps=4) and leaves; rank 0
+    meets the failure in its next forward's collective (FSDP's all-gather), outside any
+    gradaccum call. What rank 0 caught, with its notes, and what its accumulator says
+    next."""
+    model = wrap(kind, make_model())
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=4)
+    batches = rank_batches(rank, [2] * 8)
+    outcome: dict[str, Any] = {}
+    try:
+        for position, batch in enumerate(acc.epoch(batches)):
+            loss = mean_loss(model, batch)  # rank 0's third forward is where it fails
+            with acc.microstep(loss):
+                if rank == 1 and position == 1:
+                    raise KeyError("rank 1 fails on purpose")
+    except KeyError:
+        acc.close()
+        return outcome  # rank 1 leaves: its process ends
+    except Exception as error:  # the collective's own error type
+        outcome.update(
+            type=type(error).__name__,
+            notes=list(getattr(error, "__notes__", [])),
+            rank_failed=isinstance(error, gradaccum.RankFailedError),
+        )
+    try:  # a loss without a forward: the collectives are gone
+        acc.microstep(torch.zeros((), requires_grad=True))
+    except gradaccum.UsageError as refused:
+        outcome["refused"] = str(refused)
+    acc.close()
+    return outcome

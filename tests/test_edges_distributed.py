@@ -44,10 +44,10 @@ def test_a_failing_rank_is_named_under_every_wrapping(
         assert survivor["global_step"] == peer_window - 1
     assert survivor["message"].endswith("Restart every rank from the last checkpoint")
     assert "after this rank failed in window" in failed["refused"]
-    # The forward guard is the model's own class while the accumulator is open, and only then.
-    assert survivor["guarded"]
-    assert survivor["restored"]
-    assert failed["restored"]
+    # The model keeps its own class while the accumulator is open, and after.
+    for outcome in (survivor, failed):
+        assert outcome["same_type_open"]
+        assert outcome["same_type_closed"]
 
 
 def test_two_forwards_in_one_microstep_under_ddp() -> None:
@@ -70,3 +70,18 @@ def test_two_forwards_in_one_microstep_under_ddp() -> None:
         assert outcome["global_step"] == 4
         for got, want in zip(outcome["params"], params, strict=True):
             assert (got - want).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("kind", ["fully_shard", "fsdp1"])
+def test_a_failure_met_in_a_forward_collective_is_named_in_a_note(kind: str) -> None:
+    """Rank 1 fails and leaves; rank 0's next forward runs FSDP's all-gather, outside any
+    gradaccum call, so the collective's own error reaches the loop (the model's class is
+    not changed to wrap its calls): with a note that names rank 1, its window and what
+    it raised, and the accumulator refuses to go on."""
+    survivor, _ = run(edges_distributed.fail_then_leave, 2, kind)
+    assert not survivor["rank_failed"]
+    (note,) = survivor["notes"]
+    assert note.startswith("gradaccum.RankFailedError: rank 0 stopped in window 1 because rank 1")
+    assert "KeyError: 'rank 1 fails on purpose'" in note
+    assert note.endswith("Restart every rank from the last checkpoint")
+    assert "after rank 1 failed" in survivor["refused"]

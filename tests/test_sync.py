@@ -251,5 +251,5 @@ def test_a_strategy_without_the_optional_members_is_refused_up_front() -> None:
     acc = gradaccum.Accumulator(model, sgd(model), steps=2)
     strategy = strategy_for(model)
     assert strategy.grads_in_params is False
-    assert strategy.unsynced_forward() is None
+    assert strategy.overridden() is None
     acc.close()

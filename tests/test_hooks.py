@@ -1,0 +1,209 @@
+"""The user's model stays as it is: what gradaccum installs (gradaccum/hooks.py) survives
+saving the whole model, deepcopy, an EMA copy, torch.compile and state_dict(), open or
+closed, one accumulator or several in turn, and close() leaves the model exactly as it
+was; the hooks' state stays bounded; the watches are not fooled."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import tracemalloc
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import gradaccum
+from tests import hooks_distributed
+from tests.distributed import run
+from tests.helpers import make_batches, make_model, max_param_diff, mean_loss, reference_sgd
+from tests.test_distributed import global_windows
+
+TOL = 1e-10
+KINDS = {2: ["ddp", "fsdp1", "fully_shard", "compile_ddp_eager"]}
+PHASES = ("open", "open closed", "second open", "second open closed")
+
+
+@functools.cache
+def _habits(world: int) -> list[dict[str, Any]]:
+    return run(hooks_distributed.habits_around_accumulators, world, KINDS[world])
+
+
+def check_habits(seen: dict[str, Any]) -> None:
+    """Every habit that works without gradaccum works alike with an accumulator open,
+    closed, and a second one open after the first; the model ends exactly as it began; no
+    warning (a copy's forwards reach no accumulator)."""
+    legal = {
+        name: got for name, got in seen["without"].items() if not str(got).startswith("raised")
+    }
+    assert legal, seen["without"]
+    for phase in PHASES:
+        for name, got in legal.items():
+            assert seen[phase][name] == got, (phase, name, seen[phase][name])
+    assert seen["after"] == seen["before"]
+    assert seen["warnings"] == []
+
+
+@pytest.mark.parametrize("kind", KINDS[2])
+def test_the_habits_around_the_loop_work_under_every_wrapping(kind: str) -> None:
+    """On 2 gloo ranks (where the forward guard is on): DDP, FSDP1, fully_shard and
+    compiled DDP; a habit that is illegal without gradaccum (deepcopy of FSDP1) is not
+    asked for."""
+    for rank in _habits(2):
+        check_habits(rank[kind])
+    ddp = _habits(2)[0]["ddp"]
+    assert set(ddp["without"]) == {"torch.save", "deepcopy", "ema", "state_dict", "compile"}
+    assert ddp["without"]["torch.save"] == "DistributedDataParallel"
+
+
+@pytest.mark.parametrize("kind", ["plain", "ddp"])
+@pytest.mark.usefixtures("process_group")
+def test_the_habits_work_on_one_process(kind: str) -> None:
+    """A plain module, and DDP on one rank (whose forward pre-hook is on), alike."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    wrapped = DistributedDataParallel if kind == "ddp" else (lambda model: model)
+    model = wrapped(make_model())
+    batches = make_batches([2] * 2)
+    mean_loss(model, batches[0]).backward()
+    for param in model.parameters():
+        param.grad = None
+    seen: dict[str, Any] = {"without": hooks_distributed.habits(model, batches[0])}
+    seen["before"] = hooks_distributed.fingerprint(model)  # torch.compile marks the model
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", gradaccum.GradaccumWarning)
+        for phase in ("open", "second open"):
+            acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters()), steps=2)
+            with acc.microstep(mean_loss(model, batches[0])):
+                pass
+            seen[phase] = hooks_distributed.habits(model, batches[0])
+            with acc.microstep(mean_loss(model, batches[1])):
+                pass
+            acc.close()
+            seen[f"{phase} closed"] = hooks_distributed.habits(model, batches[0])
+    seen["after"] = hooks_distributed.fingerprint(model)
+    seen["warnings"] = [str(w.message) for w in caught]
+    check_habits(seen)
+
+
+@pytest.mark.parametrize("kind", ["compile(ddp)", "ddp(compile)"])
+def test_a_compiled_ddp_model_compiles_once_whatever_the_accumulators(kind: str) -> None:
+    """3 accumulators in turn on one compiled DDP model, after the same windows by hand:
+    no compilation more than the hand loop's (the model's type and attributes do not
+    change per accumulator; before, each new accumulator recompiled)."""
+    for counts in run(hooks_distributed.compilations, 2, kind):
+        assert counts[0] > 0
+        assert counts == [counts[0]] * 4
+
+
+@pytest.mark.usefixtures("process_group")
+def test_forwards_without_microsteps_keep_the_hooks_state_bounded() -> None:
+    """Under DDP the accumulator follows each forward's flag: 2,000 forwards under grad
+    without a microstep allocate nothing in gradaccum that stays."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(make_model())
+    x = make_batches([2])[0][0]
+    with gradaccum.Accumulator(model, torch.optim.SGD(model.parameters()), steps=2):
+        tracemalloc.start()
+        try:
+            for _ in range(50):
+                model(x)
+            mine = [tracemalloc.Filter(True, str(Path(gradaccum.__file__).parent / "*"))]
+            before = tracemalloc.take_snapshot().filter_traces(mine)
+            for _ in range(2000):
+                model(x)
+            after = tracemalloc.take_snapshot().filter_traces(mine)
+        finally:
+            tracemalloc.stop()
+    grown = sum(stat.size_diff for stat in after.compare_to(before, "filename"))
+    assert grown <= 0, after.compare_to(before, "lineno")[:3]
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["plain", "ddp"])
+def test_model_zero_grad_is_caught_when_the_optimizer_starts_outside_the_model(
+    wrapped: bool, request: pytest.FixtureRequest
+) -> None:
+    """An optimizer whose first parameter is a learnable loss temperature, not the
+    model's: ``model.zero_grad()`` inside the window wipes the model's share and is
+    refused at the next microstep (it used to be trained through, 8e-2 off)."""
+    model: torch.nn.Module = make_model()
+    if wrapped:
+        from torch.nn.parallel import DistributedDataParallel
+
+        request.getfixturevalue("process_group")
+        model = DistributedDataParallel(model)
+    temperature = torch.nn.Parameter(torch.tensor(1.0, dtype=torch.float64))
+    optimizer = torch.optim.SGD([temperature, *model.parameters()], lr=0.1)
+    acc = gradaccum.Accumulator(model, optimizer, steps=3)
+    batches = make_batches([2] * 2)
+    with acc.microstep(mean_loss(model, batches[0]) * temperature):
+        pass
+    model.zero_grad()
+    with pytest.raises(gradaccum.UsageError, match=r"model\.zero_grad"):  # noqa: SIM117
+        with acc.microstep(mean_loss(model, batches[1]) * temperature):
+            pass
+    acc.close()
+
+
+@pytest.mark.parametrize("static_graph", [False, True])
+def test_ddp_bucket_views_rebuilt_after_the_first_backward_are_no_wipe(static_graph: bool) -> None:
+    """``gradient_as_bucket_view=True`` under ``sync="every"`` (what ``static_graph=True``
+    needs): DDP re-points every ``param.grad`` at rebuilt buckets with the same values
+    after its first all-reducing backward; the first window is not refused, no warning,
+    and 3 windows match the float64 big batch."""
+    windows = global_windows([[2] * 12] * 2, 2)
+    expected = reference_sgd(make_model(), windows, lr=0.1)
+    for outcome in run(hooks_distributed.bucket_views, 2, static_graph):
+        assert outcome["error"] is None
+        assert outcome["warnings"] == []
+        assert outcome["global_step"] == 3
+        got = make_model()
+        with torch.no_grad():
+            for param, value in zip(got.parameters(), outcome["params"], strict=True):
+                param.copy_(value)
+        assert max_param_diff(got, expected) < TOL
+
+
+@pytest.mark.parametrize(
+    ("kind", "says"),
+    [
+        ("ddp", "inside a no_sync() of your own"),
+        ("fsdp1", "the sync state of FSDP1Sync was changed"),
+        ("fully_shard", "the sync state of FullyShardSync was changed"),
+    ],
+)
+def test_a_no_sync_of_the_users_own_around_the_boundary_is_warned_about(
+    kind: str, says: str
+) -> None:
+    """A hand loop's leftover ``no_sync()`` (``set_requires_gradient_sync(False)``) that
+    also covers each window's last microstep: its backward does not reduce (under DDP the
+    ranks drift apart; FSDP1 then fails to step); each such boundary is warned about,
+    comparing with what was armed."""
+    ranks = run(hooks_distributed.own_no_sync, 2, kind)
+    for rank in ranks:
+        boundary = [m for m in rank["warnings"] if "not reduced over the ranks" in m]
+        if kind == "fsdp1":  # FSDP1 then fails to step its shards with unsharded grads
+            assert "must match the size" in rank["error"]
+            assert len(boundary) == 1, rank["warnings"]
+        else:
+            assert len(boundary) == 2, rank["warnings"]
+        assert all(says in message for message in boundary)
+    if kind == "ddp":  # each rank applied its own gradient
+        pairs = zip(ranks[0]["params"], ranks[1]["params"], strict=True)
+        assert not all(torch.equal(p, q) for p, q in pairs)
+
+
+def test_a_deferred_forward_of_the_users_own_is_no_false_alarm() -> None:
+    """``no_sync()`` of the user's own around a non-boundary microstep only, where the
+    accumulator defers anyway: armed and seen agree, no warning."""
+    model = make_model()
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters()), steps=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gradaccum.GradaccumWarning)
+        for batch in itertools.islice(acc.epoch(make_batches([2] * 4)), 4):
+            with acc.microstep(mean_loss(model, batch)):
+                pass
+    acc.close()
