@@ -711,8 +711,11 @@ class Accumulator:
             ConfigTypeError: ``iterable`` is not iterable.
             ConfigError: The epoch has too few microbatches for one optimizer step (for
                 an iterable without ``len`` this is known only at its end), a loaded
-                position lies past its end, or an iterable that restores its own position
-                stands elsewhere in its epoch; raised by the first ``next()``.
+                position lies in an epoch of another length or past its end, an iterable
+                that restores its own position stands elsewhere in its epoch, or, in the
+                first epoch after a load, a ``DataLoader`` with persistent workers draws
+                its order from the generator of its workers' seed; raised by the first
+                ``next()``, before anything is drawn.
             UsageError: The accumulator is closed, or another of its epochs is still
                 being iterated (raised by the first ``next()``).
         """
@@ -743,7 +746,7 @@ class Accumulator:
                     "the previous epoch: windows never span epochs"
                 )
                 self._clear_window()
-            iterator = resuming.resumed(iterable, resume or 0)
+            iterator = resuming.resumed(iterable, resume or 0, resumes_run=plan.resumes_run)
             if restores_itself:
                 iterator = self._counted(iterator)
             if n is not None:
@@ -874,8 +877,9 @@ class Accumulator:
 
         Returns:
             ``steps``, the ``position`` in the current epoch (microbatches trained on),
-            ``global_step``, ``skipped_steps``, ``epochs_completed`` and the policy
-            (``drop_last``, ``sync``);
+            ``global_step``, ``skipped_steps``, ``epochs_completed``, the policy
+            (``drop_last``, ``sync``), the data-parallel ``world_size`` and, with a
+            position in a sized epoch, that epoch's ``epoch_length`` (else None);
             with ``include_grads`` and an open window, also ``window``. See
             `gradaccum.record.StateDict`.
 
@@ -919,6 +923,8 @@ class Accumulator:
                 sync=self._options.sync,
                 window=saved,
                 epochs_completed=self._plan.epochs_completed,
+                world_size=self._ranks.count,
+                epoch_length=self._plan.checkpoint_length(position),
             ).to_dict()
         )
 
@@ -943,7 +949,10 @@ class Accumulator:
         the same data in the same order (an iterable that restores its own position: with
         its state saved at the same point), and cuts the rest into windows of ``steps``. A
         state with a ``window`` restores its gradients: the next microstep continues
-        that window.
+        that window. A state saved on another number of data-parallel ranks is refused
+        here; one whose position lies in an epoch of another length is refused when the
+        next epoch begins (a state saved between epochs resumes no position, and the next
+        epoch may have any length).
 
         Args:
             state: From `state_dict`.
@@ -953,9 +962,9 @@ class Accumulator:
 
         Raises:
             ConfigTypeError: ``state`` is not such a mapping.
-            ConfigError: ``state`` was saved with another ``drop_last``, with another
-                ``steps`` (unless allowed, between windows), or its window does not
-                fit this optimizer's parameters.
+            ConfigError: ``state`` was saved on another number of data-parallel ranks,
+                with another ``drop_last``, with another ``steps`` (unless allowed,
+                between windows), or its window does not fit this optimizer's parameters.
             UsageError: The accumulator is closed, a window is open in it, or one of its
                 epochs is being iterated.
         """
@@ -963,6 +972,7 @@ class Accumulator:
         check_bool(allow_steps_change, "allow_steps_change")
         saved = record.parse(state, lambda value: isinstance(value, torch.Tensor))
         saved.check_fits(
+            world_size=self._ranks.count,
             steps=self._steps,
             drop_last=self._options.drop_last,
             allow_steps_change=allow_steps_change,
@@ -980,7 +990,12 @@ class Accumulator:
         self._skipped = saved.skipped_steps
         self._stepper.reread_schedulers()
         done = 0 if saved.window is None else saved.window.microsteps
-        self._plan.load(saved.position, done, epochs_completed=saved.epochs_completed)
+        self._plan.load(
+            saved.position,
+            done,
+            epochs_completed=saved.epochs_completed,
+            length=saved.epoch_length,
+        )
         self._clear_window()
         if saved.window is not None:
             for param, grad in zip(params, saved.window.grads, strict=True):

@@ -21,7 +21,8 @@ class EpochPlan:
     Attributes:
         drop_last: Each epoch's trailing microbatches that do not fill a window are not
             trained on (else they form one shorter window).
-        length: The current epoch's (agreed) length, when it is known.
+        length: The current epoch's (agreed) length, when it is known; after a load, that
+            of the epoch the loaded position lies in, when saved.
         position: Microbatches of the current epoch handed out; after a load, where the
             next epoch resumes.
         closed_at: Microbatches of the current epoch up to the end of the last window that
@@ -39,6 +40,9 @@ class EpochPlan:
         drawn: Microbatches of the current epoch drawn from an iterable that restores its
             own position, which its state saves; None for another iterable.
         epochs_completed: Epochs run to their end (set by a load).
+        resumes_run: The next epoch is the first of a run resumed past its start (set by a
+            load; kept, like ``resume_at``, by an epoch that stopped before its first
+            hand-out).
     """
 
     __slots__ = (
@@ -53,6 +57,7 @@ class EpochPlan:
         "position",
         "remaining",
         "resume_at",
+        "resumes_run",
         "trained_end",
     )
 
@@ -67,6 +72,7 @@ class EpochPlan:
         self.active = False
         self.drawn: int | None = None
         self.epochs_completed = 0
+        self.resumes_run = False
 
     def begin(self, length: int | None, steps: int, *, restores_itself: bool = False) -> int | None:
         """Start an epoch of ``length`` microbatches (None: unknown); return the loaded
@@ -76,8 +82,8 @@ class EpochPlan:
 
         Raises:
             UsageError: Another epoch of this accumulator is being iterated.
-            ConfigError: The epoch gives no optimizer step, or a loaded position lies past
-                its end.
+            ConfigError: The epoch gives no optimizer step, or a loaded position lies in an
+                epoch of another length (when saved) or past this one's end.
         """
         if self.active:
             msg = (
@@ -91,6 +97,15 @@ class EpochPlan:
         if length is not None:
             if skip == 0:  # the whole epoch is ahead: the guard applies
                 check_epoch_length(length, steps, self.drop_last, discarded=False)
+            elif self.length is not None and self.length != length:
+                msg = (
+                    f"the loaded state resumes at microbatch {skip} of an epoch of "
+                    f"{self.length} microbatches (per rank), but this epoch has {length}: "
+                    "another batch size, another dataset, or the data sharded over another "
+                    "number of processes; resume with the data and batch size the state was "
+                    "saved with (a state saved between epochs may change them)"
+                )
+                raise ConfigError(msg)
             elif skip > length:
                 msg = (
                     f"the loaded state resumes at microbatch {skip} of the epoch, past the "
@@ -141,7 +156,8 @@ class EpochPlan:
     def hand_out(self, remaining: int | None, steps: int, done: int) -> int:
         """One more microbatch reaches the user, ``done`` microsteps into its window, and
         ``remaining`` follow it, when known; return the size of its window."""
-        self.resume_at = None  # the resume is under way (until then a new begin() resumes)
+        # The resume is under way (until then a new begin() resumes).
+        self.resume_at, self.resumes_run = None, False
         self.position += 1
         self.pending = True
         self.remaining = remaining
@@ -195,6 +211,11 @@ class EpochPlan:
             raise UsageError(msg)
         return position
 
+    def checkpoint_length(self, position: int) -> int | None:
+        """The epoch length a checkpoint at ``position`` records: this epoch's, where it
+        resumes a position (between epochs the next epoch is a fresh one, of any length)."""
+        return self.length if position else None
+
     def close_window(self) -> None:
         """A window closed (applied or skipped): the next starts after its microbatches."""
         self.closed_at = self.position - self.pending
@@ -206,12 +227,22 @@ class EpochPlan:
         if self.resume_at == 0:
             self.resume_at = None
 
-    def load(self, position: int, window_done: int, *, epochs_completed: int = 0) -> None:
-        """Resume at ``position`` of an epoch, ``window_done`` microsteps into a window, after
-        ``epochs_completed`` epochs: the next epoch skips that many microbatches (a state at
-        an epoch's start without an open window resumes nothing: the next epoch is a fresh
-        one)."""
+    def load(
+        self,
+        position: int,
+        window_done: int,
+        *,
+        epochs_completed: int = 0,
+        length: int | None = None,
+    ) -> None:
+        """Resume at ``position`` of an epoch of ``length`` microbatches (None: not known),
+        ``window_done`` microsteps into a window, after ``epochs_completed`` epochs: the next
+        epoch skips that many microbatches, and must have that length (a state at an
+        epoch's start without an open window resumes nothing: the next epoch is a fresh
+        one, of any length)."""
         self.epochs_completed = epochs_completed
+        self.resumes_run = bool(position or epochs_completed)
+        self.length = length
         self.drawn = None
         self.position = position
         self.resume_at = position if position or window_done else None

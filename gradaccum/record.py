@@ -1,13 +1,20 @@
 """The checkpoint record: the saved format of `Accumulator.state_dict`, its versions, and
 its parsing, validated whole before anything is loaded (no torch: tensors are opaque).
 
-Version 4 (this one): ``position`` is where the next window starts, or with a ``window``
+Version 5 (this one): ``position`` is where the next window starts, or with a ``window``
 the microbatches its saved gradient holds; a microbatch handed out but not yet
 back-propagated is not counted, so the resumed epoch hands it out again. The rest of the
 epoch is cut into windows from ``position`` with the saved ``steps``, which is what the
 uninterrupted run does after a ``steps`` change. ``epochs_completed`` counts the epochs run
-to their end, so the loop knows which epoch it resumes. Versions 1 to 3 load the same way,
-with no epoch completed (no ``epochs_completed`` before 4, no ``skipped_steps`` in 1).
+to their end, so the loop knows which epoch it resumes. ``world_size`` is the number of
+data-parallel ranks the state was saved on, and ``epoch_length`` the length (microbatches
+per rank) of the sized epoch that ``position`` lies in (None between epochs and for an
+iterable without ``len``): a resume on another world size is refused when loading, and a
+position in an epoch of another length when that epoch begins.
+
+Versions 1 to 4 load the same way, with nothing recorded to check (no ``world_size`` or
+``epoch_length`` before 5) and no epoch completed (no ``epochs_completed`` before 4, no
+``skipped_steps`` in 1).
 """
 
 from __future__ import annotations
@@ -20,11 +27,11 @@ from typing import Any, TypedDict, cast
 from typing_extensions import NotRequired
 
 from gradaccum.errors import ConfigError, ConfigTypeError, describe
-from gradaccum.schedule import check_bool, check_count, check_steps
+from gradaccum.schedule import check_bool, check_count, check_positive, check_steps
 
 __all__ = ["VERSION", "Checkpoint", "SavedWindow", "StateDict", "WindowDict", "parse"]
 
-VERSION = 4
+VERSION = 5
 
 
 class WindowDict(TypedDict):
@@ -40,7 +47,8 @@ class WindowDict(TypedDict):
 
 
 class StateDict(TypedDict):
-    """What `Accumulator.state_dict` returns."""
+    """What `Accumulator.state_dict` returns (``world_size`` and ``epoch_length``: None
+    where not recorded)."""
 
     version: int
     steps: int
@@ -50,6 +58,8 @@ class StateDict(TypedDict):
     epochs_completed: int
     drop_last: bool
     sync: str
+    world_size: int | None
+    epoch_length: int | None
     window: NotRequired[WindowDict]
 
 
@@ -73,7 +83,14 @@ class SavedWindow:
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """An accumulator's state, in memory."""
+    """An accumulator's state, in memory.
+
+    Attributes:
+        world_size: The data-parallel ranks it was saved on; None: not recorded (before
+            version 5), so not checked.
+        epoch_length: The length of the sized epoch that ``position`` lies in; None: no
+            position to resume, an epoch without ``len``, or not recorded.
+    """
 
     steps: int
     position: int
@@ -83,6 +100,8 @@ class Checkpoint:
     sync: str
     window: SavedWindow | None = None
     epochs_completed: int = 0
+    world_size: int | None = None
+    epoch_length: int | None = None
 
     def to_dict(self) -> StateDict:
         state = StateDict(
@@ -94,18 +113,23 @@ class Checkpoint:
             epochs_completed=self.epochs_completed,
             drop_last=self.drop_last,
             sync=self.sync,
+            world_size=self.world_size,
+            epoch_length=self.epoch_length,
         )
         if self.window is not None:
             state["window"] = self.window.to_dict()
         return state
 
-    def check_fits(self, *, steps: int, drop_last: bool, allow_steps_change: bool) -> None:
-        """Refuse to load into an accumulator with another ``drop_last``, or another
-        ``steps`` unless allowed between windows.
+    def check_fits(
+        self, *, world_size: int, steps: int, drop_last: bool, allow_steps_change: bool
+    ) -> None:
+        """Refuse to load into an accumulator on another number of data-parallel ranks, with
+        another ``drop_last``, or with another ``steps`` unless allowed between windows.
 
         Raises:
             ConfigError: It does not fit, with the fix.
         """
+        self._check_world_size(world_size)
         if self.drop_last != drop_last:
             msg = (
                 f"the state was saved with drop_last={self.drop_last!r} but this "
@@ -123,6 +147,23 @@ class Checkpoint:
             msg += " (it was saved mid-window, where steps cannot change)"
         else:
             msg += f", or pass allow_steps_change=True to keep steps={steps}"
+        raise ConfigError(msg)
+
+    def _check_world_size(self, world_size: int) -> None:
+        """Refuse another world size: the saved position counts each rank's microbatches of
+        its own shard, and a window the microbatches of every rank (the global batch)."""
+        if self.world_size is None or self.world_size == world_size:
+            return
+        # Resuming exactly on another world size (keeping the global batch by rescaling
+        # steps, where the data order allows it) would be an opt-in checked here; none is
+        # supported yet, so the fix is the saved world size.
+        ranks = f"{self.world_size} rank{'s' if self.world_size > 1 else ''}"
+        msg = (
+            f"the state was saved with world_size={self.world_size} (data-parallel ranks) "
+            f"but this Accumulator has world_size={world_size}: its position counts the "
+            f"microbatches of each rank's shard and its windows the global batch of "
+            f"{ranks}, which this run would not continue; resume on {ranks}, as saved"
+        )
         raise ConfigError(msg)
 
 
@@ -162,6 +203,16 @@ def parse(state: object, is_tensor: Callable[[object], bool]) -> Checkpoint:
     if not isinstance(sync, str):
         msg = f"state['sync'] must be a str, got {describe(sync)}"
         raise ConfigTypeError(msg)
+    world_size, length = state.get("world_size"), state.get("epoch_length")
+    if version < 5:  # neither recorded: nothing to check
+        world_size = length = None
+    if world_size is not None:
+        world_size = check_positive(world_size, "state['world_size']")
+    if length is not None:
+        length = check_positive(length, "state['epoch_length']")
+        if position > length:
+            msg = f"state['epoch_length'] is {length}, less than its position {position}"
+            raise ConfigError(msg)
     saved = state.get("window")
     window = None if saved is None else _parse_window(saved, is_tensor)
     return Checkpoint(
@@ -173,6 +224,8 @@ def parse(state: object, is_tensor: Callable[[object], bool]) -> Checkpoint:
         sync=sync,
         window=window,
         epochs_completed=epochs,
+        world_size=world_size,
+        epoch_length=length,
     )
 
 

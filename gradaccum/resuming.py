@@ -10,6 +10,9 @@ sampler's indices, or by drawing and dropping what was trained on already.
   batch sampler's first batches are drawn as indices and dropped, and the rest are loaded
   by a DataLoader with the same settings, so no skipped sample is loaded.
 - Any other iterable is drawn from and the microbatches trained on already are dropped.
+
+A DataLoader with persistent workers resumes its order exactly only if that order is not
+drawn from the generator of its workers' seed: see `check_workers_seed`.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ from typing import Any, TypeVar
 
 from torch.utils.data import DataLoader, IterableDataset
 
-from gradaccum.errors import ConfigError
+from gradaccum.errors import ConfigError, warn
 
-__all__ = ["restores_own_position", "resumed"]
+__all__ = ["check_workers_seed", "restores_own_position", "resumed"]
 
 T = TypeVar("T")
 
@@ -54,13 +57,17 @@ def restores_own_position(iterable: object) -> bool:
     )
 
 
-def resumed(iterable: Iterable[T], skip: int) -> Iterator[T]:
-    """An iterator over ``iterable``'s epoch from microbatch ``skip`` on.
+def resumed(iterable: Iterable[T], skip: int, *, resumes_run: bool = False) -> Iterator[T]:
+    """An iterator over ``iterable``'s epoch from microbatch ``skip`` on; with
+    ``resumes_run`` the first epoch of a run resumed past its start.
 
     Raises:
         ConfigError: ``iterable`` restores its own position and its iterator stands
-            elsewhere, or it ends before ``skip`` (drawn and dropped).
+            elsewhere, or it ends before ``skip`` (drawn and dropped), or (resuming a
+            run) it cannot resume its order (`check_workers_seed`).
     """
+    if resumes_run:
+        check_workers_seed(iterable)
     if restores_own_position(iterable):
         iterator = iter(iterable)
         _check_stands_at(iterator, skip)
@@ -69,6 +76,65 @@ def resumed(iterable: Iterable[T], skip: int) -> Iterator[T]:
     if loader is not None:
         return iter(_skipping_loader(loader, skip))
     return _drawn_and_dropped(iter(iterable), skip)
+
+
+def check_workers_seed(iterable: object) -> None:
+    """Refuse to resume a run with a DataLoader whose persistent workers' seed is drawn from
+    the generator its order comes from; warn when it is drawn from torch's global state.
+
+    A DataLoader draws its workers' base seed from its ``generator`` (None: torch's global
+    random state) whenever it creates an iterator, before the sampler draws the epoch's
+    order. With persistent workers it creates one at its first epoch and reuses it, so the
+    uninterrupted run draws that seed at its first epoch only; a resumed run draws it again
+    at its own first (and a mid-epoch resume's skipping loader, which lives for one epoch,
+    once more), where the uninterrupted run did not. Loaders that restore their own
+    position are left to their state.
+
+    Raises:
+        ConfigError: The order is drawn from that generator (the sampler's is the loader's,
+            or both are None): every epoch from here on would be shuffled differently.
+    """
+    if not (
+        isinstance(iterable, DataLoader)
+        and iterable.persistent_workers
+        and iterable.num_workers > 0
+        and not restores_own_position(iterable)
+    ):
+        return
+    seed_from = iterable.generator
+    if _order_generator(iterable) is seed_from:
+        source = "torch's global random state" if seed_from is None else "its generator"
+        msg = (
+            "the DataLoader has persistent_workers=True and draws its order from the "
+            f"generator its workers' seed is drawn from ({source}): a DataLoader draws "
+            "that seed when it starts its workers, so a resumed run draws it where the "
+            "uninterrupted run did not, and shuffles every epoch from here on differently. "
+            "Give the sampler a generator of its own, seeded at each epoch's start: "
+            "DataLoader(data, sampler=RandomSampler(data, generator=order), "
+            "generator=torch.Generator(), persistent_workers=True, ...), or pass "
+            "persistent_workers=False"
+        )
+        raise ConfigError(msg)
+    if seed_from is None:
+        warn(
+            "the DataLoader has persistent_workers=True and no generator: its workers' seed "
+            "is drawn from torch's global random state at this resumed run's first epoch, "
+            "where the uninterrupted run drew none, so what draws from it afterwards "
+            "(dropout) differs from the uninterrupted run; pass generator=torch.Generator() "
+            "to the DataLoader"
+        )
+
+
+_NO_GENERATOR = object()
+
+
+def _order_generator(loader: DataLoader[Any]) -> object:
+    """The generator ``loader``'s order is drawn from, where its sampler (or batch sampler)
+    has one (None: torch's global random state, as a ``RandomSampler`` without one draws
+    from); otherwise a sentinel that is no generator."""
+    source: object = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
+    sampler = getattr(source, "sampler", source)  # a BatchSampler's
+    return getattr(sampler, "generator", _NO_GENERATOR)
 
 
 def _check_stands_at(iterator: Iterator[Any], skip: int) -> None:

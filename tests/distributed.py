@@ -377,8 +377,8 @@ def checkpoint_mid_window(rank: int, world: int, kind: str) -> list[str]:
     with local.microstep(mean_loss(plain, batches[0])):
         pass
     fresh = gradaccum.Accumulator(model, optimizer, steps=4)
-    try:
-        fresh.load_state_dict(local.state_dict(include_grads=True))
+    try:  # as if saved on these ranks, so that the window is what is refused
+        fresh.load_state_dict(dict(local.state_dict(include_grads=True), world_size=world))
     except gradaccum.GradaccumError as error:
         refused.append(f"{type(error).__name__}: {error}")
     return refused

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, TensorDataset
 
 import gradaccum
 
@@ -48,7 +48,10 @@ class Run:
     ``kind``: ``"dataloader"`` (a shuffled DataLoader: index-level skip), ``"stateful"``
     (torchdata's StatefulDataLoader, shuffled, two workers: restores itself) or
     ``"generator"`` (a generator over the DataLoader's batches: drawn and dropped). On
-    several ranks the order comes from a DistributedSampler instead of ``shuffle``.
+    several ranks the order comes from a DistributedSampler instead of ``shuffle``. Two
+    more, on one process, have two persistent workers: ``"persistent"`` draws its order
+    from a RandomSampler's own generator and its workers' seed from another (the fix the
+    guide gives), ``"persistent, shared"`` both from one (refused on resuming).
     """
 
     def __init__(
@@ -87,6 +90,14 @@ class Run:
             self.loader: Any = StatefulDataLoader(
                 data, num_workers=2, multiprocessing_context=context, **options
             )
+        elif kind.startswith("persistent"):
+            if kind == "persistent":
+                options.update(
+                    shuffle=False,
+                    sampler=RandomSampler(data, generator=self.generator),
+                    generator=torch.Generator(),
+                )
+            self.loader = DataLoader(data, num_workers=2, persistent_workers=True, **options)
         else:
             self.loader = DataLoader(data, **options)
 
@@ -190,3 +201,45 @@ def resumed_everywhere_on_ranks(rank: int, world: int) -> dict[str, dict[str, bo
         lambda model: full_params(model, "fully_shard"),
     )
     return outcome
+
+
+def state_at(run: Run, global_step: int) -> dict[str, Any]:
+    """``run``'s accumulator state after the window that brings it to ``global_step``, in
+    the first epoch (mid-epoch)."""
+    for x, y in run.acc.epoch(run.iterable(0)):
+        with run.acc.microstep((run.model(x) - y).square().mean()) as step:
+            pass
+        if step.boundary and run.acc.global_step == global_step:
+            return run.acc.state_dict()
+    raise AssertionError(f"the first epoch has fewer than {global_step} windows")
+
+
+def world_size_refusals_on_ranks(
+    rank: int, world: int, saved_alone: dict[str, Any]
+) -> tuple[dict[str, Any], str, tuple[int, int]]:
+    """Under DDP: this rank's state 2 windows into the first epoch, the refusal by a fresh
+    accumulator of ``saved_alone`` (a state saved on one process), and that accumulator's
+    global step and position after it (nothing loaded)."""
+    from tests.distributed import wrap
+
+    def ddp(model: nn.Module) -> nn.Module:
+        return wrap("ddp", model)
+
+    saved = state_at(Run("dataloader", rank, world, ddp), 2)
+    fresh = Run("dataloader", rank, world, ddp).acc
+    try:
+        fresh.load_state_dict(saved_alone)
+    except gradaccum.ConfigError as error:
+        refusal = str(error)
+    else:
+        refusal = ""
+    return saved, refusal, (fresh.global_step, fresh.position)
+
+
+def on_two_ranks(rank: int, world: int, saved_alone: dict[str, Any]) -> dict[str, Any]:
+    """What tests/test_resuming_distributed.py checks, in one launch: `resumed_everywhere_on_ranks`
+    and `world_size_refusals_on_ranks`."""
+    return {
+        "resumed": resumed_everywhere_on_ranks(rank, world),
+        "world size": world_size_refusals_on_ranks(rank, world, saved_alone),
+    }

@@ -113,6 +113,12 @@ def namespace() -> dict[str, Any]:
     )
     with open_acc.microstep(loss_of(open_model)):  # 1 of the window's 2 microsteps
         pass
+    resumed_model = make_model(seed=3)
+    resumed_acc = gradaccum.Accumulator(
+        resumed_model, torch.optim.SGD(resumed_model.parameters(), lr=0.1), steps=2
+    )
+    mid_epoch = {"position": 4, "global_step": 2, "epoch_length": 8}  # 2 windows into 8
+    resumed_acc.load_state_dict(dict(resumed_acc.state_dict(), **mid_epoch))
     return {
         **{name: getattr(gradaccum, name) for name in gradaccum.__all__},
         **{name: getattr(gradaccum.testing, name) for name in gradaccum.testing.__all__},
@@ -140,6 +146,7 @@ def namespace() -> dict[str, Any]:
         "scaler": torch.amp.GradScaler("cpu"),
         "open_model": open_model,
         "open_acc": open_acc,
+        "resumed_acc": resumed_acc,
         "saved_window": open_acc.state_dict(include_grads=True)["window"],
         "parser": gradaccum.add_arguments(argparse.ArgumentParser(prog="train")),
     }
@@ -217,6 +224,8 @@ def test_bad_input_is_refused_as_documented(
     assert repr(names["acc"]) == "Accumulator(steps=2, global_step=0, window=0/2)"
     assert all(param.grad is None for param in names["model"].parameters())
     assert repr(names["open_acc"]) == "Accumulator(steps=2, global_step=0, window=1/2)"
+    assert repr(names["resumed_acc"]) == "Accumulator(steps=2, global_step=2, window=0/2)"
+    assert names["resumed_acc"].position == 4
 
 
 # Every public callable, mapped to what its rows' calls start with.

@@ -488,6 +488,87 @@ class TestEpochPlanResume:
         plan.load(99, 0)
         assert plan.begin(None, 4) == 99
 
+    @given(
+        position=st.integers(1, 40),
+        saved=st.integers(1, 40),
+        n=st.integers(0, 40),
+        done=st.integers(0, 3),
+        steps=strategies.steps,
+    )
+    def test_a_position_in_an_epoch_of_another_length_is_refused(
+        self, position: int, saved: int, n: int, done: int, steps: int
+    ) -> None:
+        """A loaded position saved in an epoch of ``saved`` microbatches resumes only an
+        epoch of that length: another is refused, naming both, before anything starts
+        (and the loaded state stays for a retry with the right data)."""
+        if position > saved or done > position:
+            return
+        plan = EpochPlan(drop_last=True)
+        plan.load(position, done, length=saved)
+        if n == saved:
+            assert plan.begin(n, steps) == position
+            return
+        with pytest.raises(ConfigError) as caught:
+            plan.begin(n, steps)
+        assert str(caught.value) == (
+            f"the loaded state resumes at microbatch {position} of an epoch of {saved} "
+            f"microbatches (per rank), but this epoch has {n}: another batch size, another "
+            "dataset, or the data sharded over another number of processes; resume with "
+            "the data and batch size the state was saved with (a state saved between "
+            "epochs may change them)"
+        )
+        assert not plan.active
+        assert (plan.resume_at, plan.length, plan.checkpoint_length(position)) == (
+            position,
+            saved,
+            saved,
+        )
+        assert plan.begin(saved, steps) == position
+
+    @given(saved=st.none() | st.integers(1, 40), n=st.integers(1, 40))
+    def test_between_epochs_any_length_begins(self, saved: int | None, n: int) -> None:
+        """A state saved between epochs (position 0) resumes no position: the next epoch is
+        a fresh one, of any length (only the guard applies)."""
+        plan = EpochPlan(drop_last=False)
+        plan.load(0, 0, epochs_completed=3, length=saved)
+        assert plan.begin(n, 4) is None
+        assert plan.length == n
+
+    def test_the_length_a_checkpoint_records(self) -> None:
+        """A checkpoint records the epoch's length with a position to resume, not at the
+        epoch's start (nothing trained yet) nor between epochs, nor an unknown one."""
+        plan = EpochPlan(drop_last=True)
+        plan.begin(13, 4)
+        assert plan.checkpoint_length(0) is None
+        plan.hand_out(12, 4, 0)
+        assert plan.checkpoint_length(1) == 13
+        plan.end(completed=True)
+        assert plan.checkpoint_length(0) is None
+        plan.begin(None, 4)
+        plan.hand_out(None, 4, 0)
+        assert plan.checkpoint_length(1) is None
+
+    @pytest.mark.parametrize(
+        ("position", "epochs_completed", "resumes"),
+        [(0, 0, False), (4, 0, True), (0, 1, True), (4, 2, True)],
+    )
+    def test_a_resumed_run_until_its_first_hand_out(
+        self, position: int, epochs_completed: int, resumes: bool
+    ) -> None:
+        """A load past the run's start makes the next epoch the first of a resumed run,
+        through epochs stopped before their first hand-out, until that hand-out; a fresh
+        plan resumes nothing."""
+        assert not EpochPlan(drop_last=True).resumes_run
+        plan = EpochPlan(drop_last=True)
+        plan.load(position, 0, epochs_completed=epochs_completed)
+        assert plan.resumes_run is resumes
+        plan.begin(13, 4)
+        plan.end(completed=False)
+        assert plan.resumes_run is resumes
+        plan.begin(13, 4)
+        plan.hand_out(12, 4, 0)
+        assert not plan.resumes_run
+
 
 class TestEpochPlanBegin:
     def test_refuses_nesting(self) -> None:

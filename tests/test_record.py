@@ -60,16 +60,18 @@ def saved_windows(draw: st.DrawFn) -> SavedWindow:
 
 @st.composite
 def checkpoints(draw: st.DrawFn) -> Checkpoint:
-    global_step = draw(counts)
+    global_step, position = draw(counts), draw(counts)
     return Checkpoint(
         steps=draw(st.integers(min_value=1, max_value=1024)),
-        position=draw(counts),
+        position=position,
         global_step=global_step,
         skipped_steps=draw(st.integers(min_value=0, max_value=global_step)),
         drop_last=draw(st.booleans()),
         sync=draw(st.sampled_from(["auto", "every", "boundary"])),
         window=draw(st.none() | saved_windows()),
         epochs_completed=draw(counts),
+        world_size=draw(st.none() | st.integers(min_value=1, max_value=4096)),
+        epoch_length=draw(st.none() | st.integers(min_value=max(1, position), max_value=10**13)),
     )
 
 
@@ -84,6 +86,8 @@ def state(**changes: Any) -> dict[str, Any]:
         "epochs_completed": 3,
         "drop_last": True,
         "sync": "auto",
+        "world_size": 2,
+        "epoch_length": 13,
     }
     saved.update(changes)
     return {key: value for key, value in saved.items() if value is not ...}
@@ -111,8 +115,8 @@ class TestCheckpointToDict:
         assert parse(checkpoint.to_dict(), is_tensor) == checkpoint
 
     def test_the_saved_form(self) -> None:
-        """to_dict() saves version 4 and the fields by name; no ``window`` key between
-        windows."""
+        """to_dict() saves version 5 and the fields by name, the world size and the epoch
+        length always (None where not known); no ``window`` key between windows."""
         saved = Checkpoint(
             steps=4,
             position=8,
@@ -121,9 +125,11 @@ class TestCheckpointToDict:
             drop_last=True,
             sync="auto",
             epochs_completed=5,
+            world_size=2,
+            epoch_length=13,
         ).to_dict()
         assert saved == {
-            "version": 4,
+            "version": 5,
             "steps": 4,
             "position": 8,
             "global_step": 2,
@@ -131,8 +137,10 @@ class TestCheckpointToDict:
             "epochs_completed": 5,
             "drop_last": True,
             "sync": "auto",
+            "world_size": 2,
+            "epoch_length": 13,
         }
-        assert VERSION == 4
+        assert VERSION == 5
 
     def test_the_saved_window(self) -> None:
         """A saved window is a plain dict of its fields, in new lists: changing the saved
@@ -167,11 +175,34 @@ class TestCheckpointToDict:
 
 
 class TestParseVersions:
-    @pytest.mark.parametrize("version", [1, 2, 3, 4])
+    @pytest.mark.parametrize("version", [1, 2, 3, 4, 5])
     def test_known_versions_load(self, version: int) -> None:
-        """Versions 1 to 4 are read the same way."""
+        """Versions 1 to 5 are read the same way."""
         parsed = parse(state(version=version), never_tensor)
         assert (parsed.steps, parsed.position, parsed.global_step) == (4, 8, 2)
+
+    @pytest.mark.parametrize("version", [1, 2, 3, 4])
+    def test_before_version_5_nothing_is_recorded_to_check(self, version: int) -> None:
+        """Before version 5 neither the world size nor the epoch length was saved: they
+        read as None (not checked), whatever the keys hold, and are not required."""
+        parsed = parse(state(version=version, world_size=2, epoch_length=3), never_tensor)
+        assert (parsed.world_size, parsed.epoch_length) == (None, None)
+        parsed = parse(state(version=version, world_size=..., epoch_length=...), never_tensor)
+        assert (parsed.world_size, parsed.epoch_length) == (None, None)
+
+    def test_version_5_reads_the_world_size_and_the_epoch_length(self) -> None:
+        """Version 5 reads both as saved; None (or absent) is not recorded."""
+        parsed = parse(state(), never_tensor)
+        assert (parsed.world_size, parsed.epoch_length) == (2, 13)
+        parsed = parse(state(world_size=None, epoch_length=...), never_tensor)
+        assert (parsed.world_size, parsed.epoch_length) == (None, None)
+
+    def test_an_epoch_length_below_the_position_is_refused(self) -> None:
+        """A position past its own epoch's end cannot come from state_dict()."""
+        with pytest.raises(ConfigError) as caught:
+            parse(state(position=8, epoch_length=7), never_tensor)
+        assert str(caught.value) == "state['epoch_length'] is 7, less than its position 8"
+        assert parse(state(position=8, epoch_length=8), never_tensor).epoch_length == 8
 
     @pytest.mark.parametrize("version", [1, 2, 3])
     def test_before_version_4_no_epoch_is_completed(self, version: int) -> None:
@@ -193,15 +224,13 @@ class TestParseVersions:
         """A state without ``sync`` reads as the default policy."""
         assert parse(state(sync=...), never_tensor).sync == "auto"
 
-    @given(
-        version=st.integers(min_value=0, max_value=10**6).filter(lambda v: v not in (1, 2, 3, 4))
-    )
+    @given(version=st.integers(min_value=0, max_value=10**6).filter(lambda v: v not in range(1, 6)))
     def test_other_versions_are_refused(self, version: int) -> None:
         """Any other version is refused, saying which versions this gradaccum reads."""
         with pytest.raises(ConfigError) as caught:
             parse(state(version=version), never_tensor)
         assert str(caught.value) == (
-            f"state['version'] is {version}, but this gradaccum reads versions 1 to 4; "
+            f"state['version'] is {version}, but this gradaccum reads versions 1 to 5; "
             "load it with the gradaccum that saved it"
         )
 
@@ -262,6 +291,14 @@ class TestParseFields:
             ("drop_last", None, ConfigTypeError),
             ("drop_last", 1, ConfigTypeError),
             ("drop_last", "True", ConfigTypeError),
+            ("world_size", 0, ConfigError),
+            ("world_size", -2, ConfigError),
+            ("world_size", 2.0, ConfigTypeError),
+            ("world_size", True, ConfigTypeError),
+            ("world_size", "2", ConfigTypeError),
+            ("epoch_length", 0, ConfigError),
+            ("epoch_length", 13.0, ConfigTypeError),
+            ("epoch_length", "13", ConfigTypeError),
         ],
     )
     def test_malformed_field_is_refused_by_name(self, key: str, value: Any, error: type) -> None:
@@ -381,9 +418,12 @@ class TestParseWindow:
 
 class TestCheckpointCheckFits:
     @staticmethod
-    def saved(steps: int = 4, drop_last: bool = True, window: bool = False) -> Checkpoint:
+    def saved(
+        steps: int = 4, drop_last: bool = True, window: bool = False, world_size: int | None = 1
+    ) -> Checkpoint:
         opened = SavedWindow(1, 4, 4, False, [], [FakeTensor("l")], []) if window else None
-        return Checkpoint(steps, 1 if window else 8, 2, 0, drop_last, "auto", opened)
+        position = 1 if window else 8
+        return Checkpoint(steps, position, 2, 0, drop_last, "auto", opened, world_size=world_size)
 
     @given(
         steps=st.integers(1, 64),
@@ -396,7 +436,7 @@ class TestCheckpointCheckFits:
     ) -> None:
         """A state loads into an accumulator with its steps and drop_last, always."""
         self.saved(steps, drop_last, window).check_fits(
-            steps=steps, drop_last=drop_last, allow_steps_change=allow
+            world_size=1, steps=steps, drop_last=drop_last, allow_steps_change=allow
         )
 
     @pytest.mark.parametrize("saved_drop_last", [False, True])
@@ -405,7 +445,7 @@ class TestCheckpointCheckFits:
         """Another drop_last is refused, allow_steps_change or not, naming the fix."""
         with pytest.raises(ConfigError) as caught:
             self.saved(drop_last=saved_drop_last).check_fits(
-                steps=4, drop_last=not saved_drop_last, allow_steps_change=allow
+                world_size=1, steps=4, drop_last=not saved_drop_last, allow_steps_change=allow
             )
         assert str(caught.value) == (
             f"the state was saved with drop_last={saved_drop_last} but this Accumulator has "
@@ -417,13 +457,15 @@ class TestCheckpointCheckFits:
         """With both differing, the refusal is about drop_last."""
         with pytest.raises(ConfigError, match="drop_last"):
             self.saved(steps=4, drop_last=True).check_fits(
-                steps=8, drop_last=False, allow_steps_change=False
+                world_size=1, steps=8, drop_last=False, allow_steps_change=False
             )
 
     def test_another_steps_is_refused_with_both_fixes(self) -> None:
         """Another steps between windows is refused, offering allow_steps_change."""
         with pytest.raises(ConfigError) as caught:
-            self.saved(steps=4).check_fits(steps=8, drop_last=True, allow_steps_change=False)
+            self.saved(steps=4).check_fits(
+                world_size=1, steps=8, drop_last=True, allow_steps_change=False
+            )
         assert str(caught.value) == (
             "the state was saved with steps=4 but this Accumulator has steps=8; construct "
             "it with steps=4 to resume, or pass allow_steps_change=True to keep steps=8"
@@ -431,7 +473,9 @@ class TestCheckpointCheckFits:
 
     def test_allow_steps_change_between_windows(self) -> None:
         """allow_steps_change accepts another steps for a state without a window."""
-        self.saved(steps=4).check_fits(steps=8, drop_last=True, allow_steps_change=True)
+        self.saved(steps=4).check_fits(
+            world_size=1, steps=8, drop_last=True, allow_steps_change=True
+        )
 
     @pytest.mark.parametrize("allow", [False, True])
     def test_a_saved_window_keeps_its_steps(self, allow: bool) -> None:
@@ -439,9 +483,41 @@ class TestCheckpointCheckFits:
         and says why instead of offering it."""
         with pytest.raises(ConfigError) as caught:
             self.saved(steps=4, window=True).check_fits(
-                steps=8, drop_last=True, allow_steps_change=allow
+                world_size=1, steps=8, drop_last=True, allow_steps_change=allow
             )
         assert str(caught.value) == (
             "the state was saved with steps=4 but this Accumulator has steps=8; construct "
             "it with steps=4 to resume (it was saved mid-window, where steps cannot change)"
+        )
+
+    @pytest.mark.parametrize(("saved", "here"), [(2, 1), (1, 2), (8, 4)])
+    @pytest.mark.parametrize("window", [False, True])
+    def test_another_world_size_is_refused(self, saved: int, here: int, window: bool) -> None:
+        """A state saved on another number of data-parallel ranks is refused, between
+        windows or mid-window, naming both numbers and the fix."""
+        with pytest.raises(ConfigError) as caught:
+            self.saved(window=window, world_size=saved).check_fits(
+                world_size=here, steps=4, drop_last=True, allow_steps_change=True
+            )
+        ranks = f"{saved} rank{'s' if saved > 1 else ''}"
+        assert str(caught.value) == (
+            f"the state was saved with world_size={saved} (data-parallel ranks) but this "
+            f"Accumulator has world_size={here}: its position counts the microbatches of "
+            f"each rank's shard and its windows the global batch of {ranks}, which this run "
+            f"would not continue; resume on {ranks}, as saved"
+        )
+
+    def test_the_world_size_is_checked_first(self) -> None:
+        """With the steps and drop_last differing too, the refusal is about the world size
+        (a resume on another world size would change steps to keep the global batch)."""
+        with pytest.raises(ConfigError, match="world_size=2"):
+            self.saved(steps=4, drop_last=True, world_size=2).check_fits(
+                world_size=1, steps=8, drop_last=False, allow_steps_change=False
+            )
+
+    @given(here=st.integers(1, 4096))
+    def test_an_unrecorded_world_size_is_not_checked(self, here: int) -> None:
+        """A state from before version 5 (no world size) loads on any number of ranks."""
+        self.saved(world_size=None).check_fits(
+            world_size=here, steps=4, drop_last=True, allow_steps_change=False
         )

@@ -6,14 +6,23 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    TensorDataset,
+)
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import gradaccum
@@ -396,6 +405,220 @@ class TestIndexLevelSkip:
 
         monkeypatch.setattr(resuming, "DataLoader", Newer)
         assert not resuming._knows_every_setting.__wrapped__()
+
+
+class TestAnotherEpochLength:
+    """A state saved mid-epoch resumes only an epoch of the length it was saved in: another
+    batch size (or dataset) would resume at another sample. 52 samples, steps=4."""
+
+    def build(self, batch_size: int) -> tuple[torch.nn.Module, Any, Any]:
+        model = make_model()
+        acc = gradaccum.Accumulator(model, sgd(model), steps=4)
+        loader = DataLoader(
+            Counting(52),
+            batch_size=batch_size,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(5),
+        )
+        return model, acc, loader
+
+    def saved_after(self, windows: int | None) -> Any:
+        """The state after ``windows`` windows of batches of 4 (13 microbatches, 3 windows
+        per epoch), or (None) after the first epoch."""
+        model, acc, loader = self.build(4)
+        for batch in acc.epoch(loader):
+            with acc.microstep(mean_loss(model, batch)):
+                pass
+            if acc.global_step == windows:
+                break
+        return saved(acc.state_dict())
+
+    @pytest.mark.parametrize(("batch_size", "length"), [(2, 26), (8, 7)])
+    def test_another_batch_size_mid_epoch_is_refused(self, batch_size: int, length: int) -> None:
+        """Saved 8 microbatches into an epoch of 13, resumed with another batch size: the
+        first next() refuses, naming both lengths and the likely cause, before anything
+        is drawn (no sample loaded, the loader's generator untouched) or changed; the
+        loaded state stays, so the right loader then resumes it (before: batches of 2
+        resumed at their 8th microbatch, samples 16 on, and trained 4 more windows)."""
+        state = self.saved_after(2)
+        assert (state["position"], state["epoch_length"]) == (8, 13)
+        model, acc, loader = self.build(batch_size)
+        acc.load_state_dict(state)
+        before = [p.clone() for p in model.parameters()]
+        with pytest.raises(gradaccum.ConfigError) as caught:
+            next(iter(acc.epoch(loader)))
+        assert str(caught.value) == (
+            f"the loaded state resumes at microbatch 8 of an epoch of 13 microbatches (per "
+            f"rank), but this epoch has {length}: another batch size, another dataset, or "
+            "the data sharded over another number of processes; resume with the data and "
+            "batch size the state was saved with (a state saved between epochs may change "
+            "them)"
+        )
+        assert loader.dataset.loaded == 0
+        assert torch.equal(
+            loader.generator.get_state(), torch.Generator().manual_seed(5).get_state()
+        )
+        assert (acc.global_step, acc.position, acc.epochs_completed) == (2, 8, 0)
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+        assert all(p.grad is None for p in model.parameters())
+        _, _, right = self.build(4)
+        step_through(acc, model, right)
+        assert (acc.global_step, acc.epochs_completed, right.dataset.loaded) == (3, 1, 16)
+
+    def test_between_epochs_any_batch_size_resumes(self) -> None:
+        """A state saved between epochs resumes no position (it records no epoch length):
+        the next epoch is a fresh one, and may have another batch size."""
+        state = self.saved_after(None)
+        assert (state["position"], state["epochs_completed"], state["epoch_length"]) == (0, 1, None)
+        model, acc, loader = self.build(2)
+        acc.load_state_dict(state)
+        step_through(acc, model, loader)
+        assert (acc.global_step, acc.epochs_completed) == (3 + 26 // 4, 2)
+
+    def test_a_version_4_state_is_not_checked(self) -> None:
+        """A state saved before version 5 recorded no epoch length: it loads and resumes as
+        it did, whatever the length (nothing to check it against)."""
+        state = self.saved_after(2)
+        old = {
+            key: value for key, value in state.items() if key not in ("world_size", "epoch_length")
+        }
+        model, acc, loader = self.build(2)
+        acc.load_state_dict(old | {"version": 4})
+        step_through(acc, model, loader)
+        assert (acc.global_step, acc.epochs_completed) == (2 + (26 - 8) // 4, 1)
+
+
+def persistent(data: Dataset[Any], **options: Any) -> DataLoader[Any]:
+    """A DataLoader of ``data`` with two persistent workers (none started until iterated)."""
+    return DataLoader(data, num_workers=2, persistent_workers=True, **options)
+
+
+def on_one_generator(data: Dataset[Any]) -> DataLoader[Any]:
+    generator = torch.Generator()
+    batches = BatchSampler(RandomSampler(data, generator=generator), 4, drop_last=False)
+    return persistent(data, batch_sampler=batches, generator=generator)
+
+
+# {name: (the loader of a dataset, what resuming a run with it does)}
+LOADERS: dict[str, tuple[Callable[[Dataset[Any]], Any], str]] = {
+    "shuffled, its generator": (
+        lambda data: persistent(data, shuffle=True, generator=torch.Generator()),
+        "its generator",
+    ),
+    "shuffled, no generator": (
+        lambda data: persistent(data, shuffle=True),
+        "torch's global random state",
+    ),
+    "a batch sampler on its generator": (on_one_generator, "its generator"),
+    "a sampler's own generator": (
+        lambda data: persistent(
+            data,
+            sampler=RandomSampler(data, generator=torch.Generator()),
+            generator=torch.Generator(),
+        ),
+        "exact",
+    ),
+    "a DistributedSampler": (
+        lambda data: persistent(
+            data, sampler=DistributedSampler(data, 1, 0), generator=torch.Generator()
+        ),
+        "exact",
+    ),
+    "in order": (lambda data: persistent(data, generator=torch.Generator()), "exact"),
+    "a sampler's own generator, no generator": (
+        lambda data: persistent(data, sampler=RandomSampler(data, generator=torch.Generator())),
+        "warned",
+    ),
+    "a DistributedSampler, no generator": (
+        lambda data: persistent(data, sampler=DistributedSampler(data, 1, 0)),
+        "warned",
+    ),
+    "not persistent": (
+        lambda data: DataLoader(data, shuffle=True, num_workers=2),
+        "exact",
+    ),
+    "a StatefulDataLoader": (
+        lambda data: StatefulDataLoader(data, shuffle=True, num_workers=2, persistent_workers=True),
+        "exact",
+    ),
+}
+
+
+class TestPersistentWorkers:
+    """A DataLoader with persistent workers draws its workers' seed from its generator at
+    its first epoch only: a resumed run draws it once more. Exact where the order has a
+    generator of its own; refused where it is drawn from the same one."""
+
+    def test_its_own_generator_for_the_order_resumes_bit_for_bit(self) -> None:
+        """The guide's fix (a RandomSampler with the generator seeded at each epoch, the
+        workers' seed from another; num_workers=2, persistent): every checkpoint of two
+        epochs resumes to the uninterrupted run's parameters, including a mid-epoch one
+        (the skipping loader) followed by a later epoch of the loader's own workers."""
+        outcome = resumes.resumed_everywhere("persistent")
+        assert list(outcome) == [
+            "step 1",
+            "step 2",
+            "step 3",
+            "epoch 1",
+            "step 4",
+            "step 5",
+            "step 6",
+            "epoch 2",
+        ]
+        assert all(outcome.values()), outcome
+
+    def test_one_generator_for_the_order_and_the_workers_is_refused(self) -> None:
+        """The issue's case (shuffle=True and generator=, seeded at each epoch; num_workers=2,
+        persistent): the uninterrupted run trains; a run resumed from its first epoch,
+        between epochs or from its second epoch is refused at its first next(), before
+        anything is drawn from the generator, naming the fix (before: another order)."""
+        saves: dict[str, bytes] = {}
+
+        def checkpoint(run: resumes.Run) -> None:
+            where = f"step {run.acc.global_step}" if run.acc.position else "epoch"
+            saves.setdefault(where, run.save())
+
+        resumes.train(resumes.Run("persistent, shared"), checkpoint)
+        for where in ("step 2", "epoch", "step 4"):
+            run = resumes.Run("persistent, shared").load(saves[where])
+            epoch = run.acc.epochs_completed
+            with pytest.raises(gradaccum.ConfigError) as caught:
+                next(iter(run.acc.epoch(run.iterable(epoch))))
+            assert str(caught.value) == (
+                "the DataLoader has persistent_workers=True and draws its order from the "
+                "generator its workers' seed is drawn from (its generator): a DataLoader "
+                "draws that seed when it starts its workers, so a resumed run draws it where "
+                "the uninterrupted run did not, and shuffles every epoch from here on "
+                "differently. Give the sampler a generator of its own, seeded at each "
+                "epoch's start: DataLoader(data, sampler=RandomSampler(data, "
+                "generator=order), generator=torch.Generator(), persistent_workers=True, "
+                "...), or pass persistent_workers=False"
+            ), where
+            fresh = torch.Generator().manual_seed(resumes.SEED + epoch)
+            assert torch.equal(run.generator.get_state(), fresh.get_state()), where
+            assert run.acc.epochs_completed == epoch
+
+    @pytest.mark.parametrize(
+        ("name", "outcome"), [(name, out) for name, (_, out) in LOADERS.items()]
+    )
+    def test_what_is_refused(self, name: str, outcome: str) -> None:
+        """Refused: the order drawn from the generator of the workers' seed (the sampler's
+        or the batch sampler's; both None: torch's global random state). Warned: the
+        workers' seed from the global random state (what draws from it later, dropout,
+        moves). Accepted: an order of its own or none, workers that are not persistent, a
+        loader that restores its own position (its state restores its order). No loader
+        here starts a worker."""
+        loader = LOADERS[name][0](TensorDataset(torch.zeros(16, 1)))
+        if outcome == "warned":
+            with pytest.warns(gradaccum.GradaccumWarning, match="no generator"):
+                resuming.check_workers_seed(loader)
+        elif outcome != "exact":
+            with pytest.raises(
+                gradaccum.ConfigError, match=re.escape(f"is drawn from ({outcome})")
+            ):
+                resuming.check_workers_seed(loader)
+        else:
+            resuming.check_workers_seed(loader)
 
 
 @pytest.mark.parametrize("kind", resumes.KINDS)

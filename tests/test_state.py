@@ -73,11 +73,13 @@ def test_resume_at_a_window_boundary_is_bit_for_bit(stop_after: int) -> None:
 
 
 def test_state_holds_steps_position_global_step_and_policy() -> None:
-    """The saved state names what a resume needs."""
+    """The saved state names what a resume needs, and what it must match: the
+    data-parallel world size and the length of the epoch its position lies in (None
+    between epochs, where no position is resumed)."""
     parts = build()
     train(parts, epochs=1, stop_after=2)
     assert parts[3].state_dict() == {
-        "version": 4,
+        "version": 5,
         "steps": 4,
         "position": 8,
         "global_step": 2,
@@ -85,7 +87,12 @@ def test_state_holds_steps_position_global_step_and_policy() -> None:
         "epochs_completed": 0,
         "drop_last": True,
         "sync": "auto",
+        "world_size": 1,
+        "epoch_length": 13,
     }
+    train(parts, epochs=1)
+    assert parts[3].state_dict()["position"] == 0
+    assert (parts[3].state_dict()["world_size"], parts[3].state_dict()["epoch_length"]) == (1, None)
 
 
 def test_mid_window_checkpoint_is_refused() -> None:
@@ -148,10 +155,11 @@ def test_load_into_an_open_window_is_refused() -> None:
 
 
 def test_resume_position_past_the_epoch_is_refused() -> None:
-    """A position beyond the epoch means other data: refused at acc.epoch()."""
+    """A position beyond the epoch means other data: refused at acc.epoch() (a state that
+    records its epoch's length refuses another length first: tests/test_resuming.py)."""
     parts = build()
     train(parts, epochs=1, stop_after=3)
-    state = parts[3].state_dict() | {"position": 12}
+    state = parts[3].state_dict() | {"position": 12, "epoch_length": None}
     _, _, _, acc = build()
     acc.load_state_dict(state)
     with pytest.raises(gradaccum.ConfigError, match=r"microbatch 12.*past the end of .* of 8"):

@@ -497,16 +497,20 @@ class AccumulatorMachine(RuleBasedStateMachine):
             "skipped_steps",
             "epochs_completed",
             "drop_last",
+            "world_size",
         )
         assert tuple(state[name] for name in fields) == (
-            4,
+            5,
             saved.steps,
             saved.position,
             saved.global_step,
             saved.skipped_steps,
             saved.epochs_completed,
             contract.drop_last,
+            1,
         )
+        if saved.position == 0:  # no position to resume: no epoch length to match
+            assert state["epoch_length"] is None
         window = state.get("window")
         assert (None if window is None else (window["microsteps"], window["size"])) == saved.window
         event(f"checkpoint {where} ({'mid-window' if saved.window else 'between windows'})")

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 import gradaccum
 from tests.helpers import make_batches, make_model, mean_loss, sgd
@@ -88,6 +89,16 @@ class UnknownWrapper(nn.Module):
         yield
 
 
+def a_resumed_persistent_loader_without_a_generator() -> None:
+    _, _, acc = build()
+    acc.load_state_dict(dict(acc.state_dict(), epochs_completed=1))
+    data = TensorDataset(*BATCHES[0])
+    order = RandomSampler(data, generator=torch.Generator())
+    loader = DataLoader(data, sampler=order, num_workers=2, persistent_workers=True)
+    for _batch in acc.epoch(loader):  # the user's line: this for statement
+        break
+
+
 def an_unknown_wrapper() -> None:
     model = UnknownWrapper()
     gradaccum.Accumulator(model, sgd(model), steps=2)  # the user's line
@@ -101,6 +112,7 @@ CASES: list[tuple[Callable[[], None], str]] = [
     (clipping_a_partial_window, "changed in place after microstep 1 of 2"),
     (a_second_accumulator_takes_over, "closed the previous Accumulator"),
     (an_unknown_wrapper, "which gradaccum does not know"),
+    (a_resumed_persistent_loader_without_a_generator, "persistent_workers=True and no generator"),
 ]
 
 

@@ -1,0 +1,309 @@
+"""Instructions per microstep: gradaccum against the hand-written loop and the floor.
+
+What is measured:
+    Machine instructions (valgrind's callgrind) per microstep of one block of
+    ``--microsteps`` microbatches (80, steps=4), after an untimed warm-up block, for three
+    loops that do the same training on a 2-layer MLP (``--width`` 4 and 128, batches of 32
+    rows, SGD with momentum, a LambdaLR):
+
+    * ``hand``: what a careful user writes: forward, ``(loss / steps).backward()`` (a
+      summed loss with ``num_items``, divided at the boundary by the window's items), and
+      on every 4th microbatch the mode's boundary work, ``optimizer.step()``,
+      ``scheduler.step()``, ``zero_grad(set_to_none=True)``; under DDP the flag
+      ``require_backward_grad_sync`` set before each forward;
+    * ``floor``: `benchmarks/floor.py`, a minimal accumulator with gradaccum's hot-path
+      semantics (the loss scaled, the detached loss kept, windows counted, the DDP flag
+      armed before the forward) and nothing else;
+    * ``gradaccum``: ``for x, y in acc.epoch(data): loss = ...; with acc.microstep(loss):``.
+
+    Modes: ``plain``; ``clip`` (``max_grad_norm=1.0``); ``items`` (summed losses with
+    ``num_items``); ``skip`` (``on_nonfinite="skip"``: by hand, the total norm read on the
+    host before stepping); ``scaler`` (an enabled ``GradScaler``). Setups: one process,
+    and DDP on one gloo rank; there the accumulator's several-ranks path (the
+    ``always_call`` forward hook that names a failed rank) is installed too, as on many
+    ranks, so that what is measured is what a multi-rank run pays per forward.
+
+How it is measured:
+    Each (setup, width, mode, loop) runs in its own process under
+    ``valgrind --tool=callgrind --instr-atstart=no --collect-atstart=no``; the process
+    turns instrumentation and collection on and off around the timed block with
+    callgrind's client requests (a small C library compiled here, from
+    ``valgrind/callgrind.h``), so start-up and the warm-up are not counted. Garbage
+    collection is off in the block and ``PYTHONHASHSEED=0``: the count is the same from
+    run to run, whatever else the machine does. Needs valgrind and its header (Debian:
+    ``apt-get install valgrind``) and a C compiler; not run in CI. A full table takes a
+    few minutes.
+
+How to read it:
+    ``ratio`` is gradaccum's instructions per microstep over the hand loop's; the target
+    is at most 1.02 in every cell, and ``floor`` shows how low a library can go.
+
+Usage:
+    python benchmarks/instructions.py [--width 4 128] [--mode plain clip ...]
+        [--setup process ddp] [--microsteps 80] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+STEPS, BATCH, LR = 4, 32, 0.01
+MODES = ("plain", "clip", "items", "skip", "scaler")
+SETUPS = ("process", "ddp")
+LOOPS = ("hand", "floor", "gradaccum")
+TARGET = 1.02
+MARKERS = r"""
+#include <valgrind/callgrind.h>
+void gradaccum_start(void) { CALLGRIND_START_INSTRUMENTATION; CALLGRIND_TOGGLE_COLLECT; }
+void gradaccum_stop(void) { CALLGRIND_TOGGLE_COLLECT; CALLGRIND_STOP_INSTRUMENTATION; }
+"""
+
+
+def build_markers(directory: Path) -> Path:
+    """Compile the client requests into a shared library; refuse without the tools."""
+    for tool, package in (("valgrind", "valgrind"), ("cc", "gcc")):
+        if shutil.which(tool) is None:
+            sys.exit(f"instructions.py needs {tool}: apt-get install {package}")
+    if not Path("/usr/include/valgrind/callgrind.h").is_file():
+        sys.exit("instructions.py needs valgrind/callgrind.h: apt-get install valgrind")
+    source, library = directory / "markers.c", directory / "markers.so"
+    source.write_text(MARKERS, encoding="utf-8")
+    subprocess.run(["cc", "-O1", "-shared", "-fPIC", str(source), "-o", str(library)], check=True)
+    return library
+
+
+# The child: one loop, counted --------------------------------------------------------------
+
+
+def build(width: int, mode: str, setup: str) -> tuple[nn.Module, Any, Any, Any]:
+    torch.manual_seed(0)
+    model: nn.Module = nn.Sequential(nn.Linear(16, width), nn.ReLU(), nn.Linear(width, 1))
+    if setup == "ddp":
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        store = dist.FileStore(tempfile.mkstemp()[1], 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        model = DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if mode == "scaler" else None
+    return model, optimizer, scheduler, scaler
+
+
+def hand_block(parts: tuple[Any, ...], mode: str, batches: list[Any]) -> None:
+    model, optimizer, scheduler, scaler = parts
+    ddp = hasattr(model, "require_backward_grad_sync")
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    items = 0
+    for index, (x, y) in enumerate(batches):
+        boundary = index % STEPS == STEPS - 1
+        if ddp:
+            model.require_backward_grad_sync = boundary
+        if mode == "items":
+            loss = (model(x) - y).square().sum()
+            loss.backward()
+            items += len(x)
+        else:
+            loss = (model(x) - y).square().mean()
+            scaled = loss / STEPS
+            (scaled if scaler is None else scaler.scale(scaled)).backward()
+        if not boundary:
+            continue
+        if mode == "items":
+            torch._foreach_mul_([p.grad for p in params], 1 / items)
+            items = 0
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            if mode == "clip":
+                nn.utils.clip_grad_norm_(params, 1.0)
+            finite = True
+            if mode == "skip":
+                finite = bool(torch.isfinite(nn.utils.get_total_norm([p.grad for p in params])))
+            if finite:
+                optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def floor_block(floor: Any, mode: str, batches: list[Any]) -> None:
+    model = floor.model
+    for x, y in batches:
+        if mode == "items":
+            with floor.microstep((model(x) - y).square().sum(), len(x)):
+                pass
+        else:
+            with floor.microstep((model(x) - y).square().mean()):
+                pass
+
+
+def gradaccum_block(acc: Any, mode: str, batches: list[Any]) -> None:
+    model = acc.model
+    if mode == "items":
+        for x, y in acc.epoch(batches):
+            with acc.microstep((model(x) - y).square().sum(), num_items=len(x)):
+                pass
+    else:
+        for x, y in acc.epoch(batches):
+            with acc.microstep((model(x) - y).square().mean()):
+                pass
+
+
+def child(loop: str, width: int, mode: str, setup: str, microsteps: int, library: str) -> None:
+    markers = ctypes.CDLL(library)
+    torch.set_num_threads(1)
+    parts = build(width, mode, setup)
+    generator = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randn(BATCH, 16, generator=generator), torch.randn(BATCH, 1, generator=generator))
+        for _ in range(2 * microsteps)
+    ]
+    warm, timed = batches[:microsteps], batches[microsteps:]
+    if loop == "hand":
+        run: Any = lambda data: hand_block(parts, mode, data)  # noqa: E731
+    elif loop == "floor":
+        sys.path.insert(0, str(HERE))
+        from floor import Floor
+
+        model, optimizer, scheduler, scaler = parts
+        floor = Floor(
+            model,
+            optimizer,
+            scheduler,
+            steps=STEPS,
+            max_grad_norm=1.0 if mode == "clip" else None,
+            scaler=scaler,
+            skip_nonfinite=mode == "skip",
+        )
+        run = lambda data: floor_block(floor, mode, data)  # noqa: E731
+    else:
+        import gradaccum
+        from gradaccum import hooks
+
+        model, optimizer, scheduler, scaler = parts
+        acc = gradaccum.Accumulator(
+            model,
+            optimizer,
+            scheduler,
+            steps=STEPS,
+            max_grad_norm=1.0 if mode == "clip" else None,
+            scaler=scaler,
+            on_nonfinite="skip" if mode == "skip" else None,
+        )
+        if setup == "ddp":  # the several-ranks path, as on many ranks
+            guard = hooks.watch(model, failed=acc._forward_failed)
+        run = lambda data: gradaccum_block(acc, mode, data)  # noqa: E731
+    run(warm)
+    gc.collect()
+    gc.disable()
+    markers.gradaccum_start()
+    run(timed)
+    markers.gradaccum_stop()
+    gc.enable()
+    if loop == "gradaccum" and setup == "ddp":
+        guard.remove()
+
+
+# The parent: every cell --------------------------------------------------------------------
+
+
+def count(loop: str, width: int, mode: str, setup: str, microsteps: int, library: Path) -> float:
+    """Instructions per microstep of one cell, from its own process under callgrind."""
+    with tempfile.TemporaryDirectory() as directory:
+        out = Path(directory) / "callgrind.out"
+        command = [
+            "valgrind",
+            "--tool=callgrind",
+            "--instr-atstart=no",
+            "--collect-atstart=no",
+            f"--callgrind-out-file={out}",
+            sys.executable,
+            __file__,
+            "--child",
+            loop,
+            str(width),
+            mode,
+            setup,
+            str(microsteps),
+            str(library),
+        ]
+        env = os.environ | {"PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
+        subprocess.run(command, check=True, env=env, capture_output=True)
+        for line in out.read_text().splitlines():
+            if line.startswith("totals:"):  # ("summary:" counts what was not collected)
+                return int(line.split()[1]) / microsteps
+    msg = f"callgrind wrote no total for {loop} {width} {mode} {setup}"
+    raise RuntimeError(msg)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--width", type=int, nargs="+", default=[4, 128])
+    parser.add_argument("--mode", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--setup", nargs="+", choices=SETUPS, default=list(SETUPS))
+    parser.add_argument("--microsteps", type=int, default=80, help="timed block (80)")
+    parser.add_argument("--json", type=Path, help="also write the rows to this file")
+    parser.add_argument("--jobs", type=int, default=2, help="cells counted at once (2)")
+    parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        loop, width, mode, setup, microsteps, library = args.child
+        child(loop, int(width), mode, setup, int(microsteps), library)
+        return
+    rows = []
+    with tempfile.TemporaryDirectory() as directory:
+        library = build_markers(Path(directory))
+        print(
+            f"torch {torch.__version__}; instructions per microstep, steps={STEPS}, batch {BATCH}"
+        )
+        header = f"{'setup':8} {'width':>5} {'mode':7} {'hand':>10} {'floor':>10} {'gradaccum':>10}"
+        print(f"{header} {'floor/hand':>10} {'ratio':>6}")
+        cells = [
+            (setup, width, mode)
+            for setup in args.setup
+            for width in args.width
+            for mode in args.mode
+        ]
+        with ThreadPoolExecutor(args.jobs) as pool:  # each count is its own process
+            counts = {
+                (cell, loop): pool.submit(count, loop, *cell[1:], cell[0], args.microsteps, library)
+                for cell in cells
+                for loop in LOOPS
+            }
+            for cell in cells:
+                setup, width, mode = cell
+                got = {loop: counts[cell, loop].result() for loop in LOOPS}
+                ratio = got["gradaccum"] / got["hand"]
+                rows.append({"setup": setup, "width": width, "mode": mode, **got, "ratio": ratio})
+                print(
+                    f"{setup:8} {width:>5} {mode:7} {got['hand']:>10,.0f} "
+                    f"{got['floor']:>10,.0f} {got['gradaccum']:>10,.0f} "
+                    f"{got['floor'] / got['hand']:>10.3f} {ratio:>6.3f}",
+                    flush=True,
+                )
+    worst = max(row["ratio"] for row in rows)
+    print(f"worst ratio {worst:.3f} (target {TARGET}); every cell at or under: {worst <= TARGET}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
