@@ -12,8 +12,6 @@ watch, no checkpoint bookkeeping, no epoch plan: not a library, a yardstick.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -48,8 +46,7 @@ class Floor:
         if self.ddp is not None:
             self.ddp.require_backward_grad_sync = self.done == self.steps - 1
 
-    @contextmanager
-    def microstep(self, loss: torch.Tensor, items: int | None = None) -> Iterator[None]:
+    def microstep(self, loss: torch.Tensor, items: int | None = None) -> Floor:
         scaled = loss if items is not None else loss / self.steps
         if self.scaler is not None:
             scaled = self.scaler.scale(scaled)
@@ -60,10 +57,16 @@ class Floor:
         self.done += 1
         if self.done == self.steps:
             self.boundary()
-        yield
+        return self  # the block: entering it costs nothing more
+
+    def __enter__(self) -> Floor:
+        return self
+
+    def __exit__(self, *_: object) -> None:
         if self.done == self.steps:
             self.apply()
-        self.arm()
+        if self.ddp is not None:
+            self.ddp.require_backward_grad_sync = self.done == self.steps - 1
 
     def boundary(self) -> None:
         if self.items:
@@ -90,3 +93,4 @@ class Floor:
         self.optimizer.zero_grad(set_to_none=True)
         self.done, self.items = 0, 0
         self.losses = []
+        self.skip = False
