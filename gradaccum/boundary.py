@@ -1,8 +1,13 @@
 """The tensor work at a window's boundary, in the order it runs: normalize, then (the
-stepper's unscale) clip and check, over every optimizer's parameters. Each step reads
-the optimizers' parameters as they are now, so parameters added with
-``optimizer.add_param_group`` are treated like the others. No host sync unless the check
-is asked for."""
+stepper's unscale) clip and check, over every optimizer's parameters. No host sync unless
+the check is asked for.
+
+The parameters, their order in the model and their grouping by device and dtype are
+worked out once (`Params`) and again only when the optimizers' groups change
+(``optimizer.add_param_group``, a new group list, a group's list of another length), so
+that a boundary costs no Python work per parameter beyond the optimizer's own; parameters
+added between windows are treated like the others.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from gradaccum.sync import SyncStrategy, grad_norm
 from gradaccum.window import Window
 
 __all__ = [
+    "Params",
     "all_finite",
     "clip",
     "global_mean",
@@ -26,6 +32,58 @@ __all__ = [
     "rescale",
     "scale_grads",
 ]
+
+
+class Params:
+    """The optimizers' parameters, cached until their groups change.
+
+    `now` checks the groups (a tuple of their lists' ids and lengths: a few reads per
+    group) and, when they changed, works out again the list, its order in the model and
+    its grouping by device and dtype; `ordered` and `grads_by_kind` read what `now` made.
+    """
+
+    __slots__ = ("_by_kind", "_key", "_list", "_model", "_optimizers", "_ordered")
+
+    def __init__(self, optimizers: tuple[torch.optim.Optimizer, ...], model: nn.Module) -> None:
+        self._optimizers = optimizers
+        self._model = model
+        self._key: tuple[int, ...] = ()
+        self._list: list[torch.Tensor] = []
+        self._ordered: list[torch.Tensor] = []
+        self._by_kind: list[tuple[torch.device, torch.dtype, list[torch.Tensor]]] = []
+
+    def _groups_key(self) -> tuple[int, ...]:
+        key: list[int] = []
+        for optimizer in self._optimizers:
+            groups = optimizer.param_groups
+            key += (id(groups), len(groups))
+            for group in groups:
+                key += (id(group["params"]), len(group["params"]))
+        return tuple(key)
+
+    def now(self) -> list[torch.Tensor]:
+        """Every optimizer's parameters as they are now, each once, in order."""
+        key = self._groups_key()
+        if key != self._key:
+            self._key, self._list = key, params_of(self._optimizers)
+            self._ordered = in_model_order(self._model, self._list)
+            kinds: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+            for param in self._list:
+                kinds.setdefault((param.device, param.dtype), []).append(param)
+            self._by_kind = [(device, dtype, group) for (device, dtype), group in kinds.items()]
+        return self._list
+
+    def ordered(self) -> list[torch.Tensor]:
+        """`now`'s parameters in the order of ``model.parameters()``, then those the model
+        lacks (as of the last `now`)."""
+        return self._ordered
+
+    def grads_by_kind(self) -> list[tuple[torch.device, torch.dtype, list[torch.Tensor]]]:
+        """The gradients there are, grouped by device and dtype (as of the last `now`)."""
+        return [
+            (device, dtype, [p.grad for p in group if p.grad is not None])
+            for device, dtype, group in self._by_kind
+        ]
 
 
 def params_of(optimizers: Iterable[torch.optim.Optimizer]) -> list[torch.Tensor]:
@@ -39,7 +97,7 @@ def params_of(optimizers: Iterable[torch.optim.Optimizer]) -> list[torch.Tensor]
 
 
 def normalize(
-    params: list[torch.Tensor], window: Window, ranks: Ranks
+    params: Params, window: Window, ranks: Ranks
 ) -> tuple[int | torch.Tensor, torch.Tensor | None]:
     """Turn the window's summed gradient into the item-mean over every rank's window: divide
     by the items summed over the ranks (one all-reduce, in float64) and undo the wrapper's
@@ -82,16 +140,14 @@ def global_mean(window: Window, ranks: Ranks) -> torch.Tensor:
     return (ranks.total(total) / ranks.count).to(mean.dtype)
 
 
-def rescale(params: list[torch.Tensor], window: Window) -> None:
+def rescale(params: Params, window: Window) -> None:
     """Mean mode, an epoch that ended early: the losses were divided by the planned size,
     so the gradient is rescaled to 1/size of the microsteps it holds."""
     if window.divisor != window.size:
         scale_grads(params, window.divisor / window.size)
 
 
-def clip(
-    strategy: SyncStrategy, params: list[torch.Tensor], max_norm: float | None, model: nn.Module
-) -> torch.Tensor | None:
+def clip(strategy: SyncStrategy, params: Params, max_norm: float | None) -> torch.Tensor | None:
     """Clip the window's gradient to ``max_norm`` (the wrapper's own clipping where it has
     one); return the total norm before clipping, a 0-dim tensor, or None without clipping.
 
@@ -101,7 +157,7 @@ def clip(
     """
     if max_norm is None:
         return None
-    return strategy.clip_grad_norm(in_model_order(model, params), max_norm)
+    return strategy.clip_grad_norm(params.ordered(), max_norm)
 
 
 def in_model_order(model: nn.Module, params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -120,18 +176,16 @@ def all_finite(params: list[torch.Tensor], norm: torch.Tensor | None, ranks: Ran
     return ranks.all(torch.isfinite(grad_norm(params) if norm is None else norm))
 
 
-def scale_grads(params: list[torch.Tensor], factor: float | torch.Tensor) -> None:
+def scale_grads(params: Params, factor: float | torch.Tensor) -> None:
     """Multiply every gradient by ``factor`` in place, without host sync.
 
     The factor reaches the multiply in float64 for float64 gradients and in float32
     otherwise, never rounded to the gradient's own dtype first: float16 would turn the
     inverse of an item total into a subnormal (or the total above 65504 into inf).
     """
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for param in params:
-        if param.grad is not None:
-            groups.setdefault((param.grad.device, param.grad.dtype), []).append(param.grad)
-    for (device, dtype), grads in groups.items():
+    for device, dtype, grads in params.grads_by_kind():
+        if not grads:
+            continue
         wide = torch.float64 if dtype == torch.float64 else torch.float32
         if isinstance(factor, torch.Tensor):
             torch._foreach_mul_(grads, factor.to(device=device, dtype=wide))

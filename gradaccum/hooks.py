@@ -1,16 +1,18 @@
-"""The hooks gradaccum puts on the user's model while an accumulator is open: a forward
-pre-hook (for a wrapper that decides in its forward whether the backward communicates)
-and an ``always_call`` forward hook (for a forward's collective that fails because
-another rank did).
+"""The hook gradaccum puts on the user's model while an accumulator is open: one
+``always_call`` forward hook, which tells its listeners that a forward ran (a wrapper
+that decides in its forward whether the backward communicates records what it decided)
+or that it raised (a forward's collective that fails because another rank did).
 
-The model keeps its type and its attributes. Each hook is a plain module-level function,
+The model keeps its type and its attributes. The hook is a plain module-level function,
 registered once per model whatever the number of accumulators, and only while someone
-listens; the listeners are kept here, keyed by the model's ``id()`` and held weakly, not
-on the model. So a ``copy.deepcopy`` of the model (an EMA copy, ``AveragedModel``) or a
-pickled one (``torch.save(model)``) holds only a reference to these functions, which do
-nothing for a model they were not registered for, and ``torch.compile`` of the model
-does not trace them (they run around its compiled call) nor sees a new type or attribute
-per accumulator. The last listener's removal removes the hooks: the model is as it was.
+listens (one hook, because each hook on a module costs its every call torch's slow path,
+about 9,000 instructions); the listeners are kept here, keyed by the model's ``id()`` and
+held weakly, not on the model. So a ``copy.deepcopy`` of the model (an EMA copy,
+``AveragedModel``) or a pickled one (``torch.save(model)``) holds only a reference to
+this function, which does nothing for a model it was not registered for, and
+``torch.compile`` of the model does not trace it (it runs around the compiled call) nor
+sees a new type or attribute per accumulator. The last listener's removal removes the
+hook: the model is as it was.
 """
 
 from __future__ import annotations
@@ -27,65 +29,39 @@ __all__ = ["Watch", "watch"]
 
 
 class _Watched:
-    """A model's hooks, and the listeners each calls (weak references to bound methods)."""
+    """A model's hook, and the listeners it calls (weak references to bound methods)."""
 
-    __slots__ = ("before", "failed", "finalizer", "handles", "model")
+    __slots__ = ("done", "failed", "finalizer", "handle")
 
     def __init__(self, model: nn.Module) -> None:
-        self.model = weakref.ref(model)
-        self.before: list[weakref.WeakMethod[Callable[[], None]]] = []
+        self.done: list[weakref.WeakMethod[Callable[[], None]]] = []
         self.failed: list[weakref.WeakMethod[Callable[[BaseException], None]]] = []
-        self.handles: dict[str, RemovableHandle] = {}
+        self.handle: RemovableHandle = model.register_forward_hook(_after_forward, always_call=True)
         # A model that dies with listeners left (accumulators never closed) takes its entry.
         self.finalizer = weakref.finalize(model, _watched.pop, id(model), None)
 
-    def listen(self, kind: str, listener: Any) -> None:
-        """Add ``listener`` to ``kind`` ("before" or "failed"), hooking the model for it."""
-        model = self.model()
-        listeners = self.before if kind == "before" else self.failed
-        if not listeners and model is not None:
-            self.handles[kind] = (
-                model.register_forward_pre_hook(_before_forward)
-                if kind == "before"
-                else model.register_forward_hook(_after_forward, always_call=True)
-            )
-        listeners.append(listener)
-
-    def leave(self, kind: str, listener: Any) -> None:
-        """Remove ``listener``; the last listener of ``kind`` removes its hook."""
-        listeners = self.before if kind == "before" else self.failed
-        if listener in listeners:
-            listeners.remove(listener)
-        if not listeners and kind in self.handles:
-            self.handles.pop(kind).remove()
-
 
 _watched: dict[int, _Watched] = {}  # by id() of the model
-
-
-def _before_forward(model: nn.Module, _: object) -> None:
-    watched = _watched.get(id(model))
-    if watched is not None:
-        for listener in watched.before:
-            method = listener()
-            if method is not None:
-                method()
 
 
 def _after_forward(model: nn.Module, _: object, output: object) -> None:
     # Called after every forward, and with no output (None) when the forward raised: its
     # error is then the exception being handled. (A forward that returns None from inside
     # an `except` block of the caller's would look the same; no model of a loss does.)
-    if output is not None:
-        return
-    error = sys.exc_info()[1]
     watched = _watched.get(id(model))
-    if error is None or watched is None:
+    if watched is None:
         return
-    for listener in watched.failed:
-        method = listener()
-        if method is not None:
-            method(error)
+    error = sys.exc_info()[1] if output is None else None
+    if error is None:
+        for done in watched.done:
+            method = done()
+            if method is not None:
+                method()
+        return
+    for failed in watched.failed:
+        report = failed()
+        if report is not None:
+            report(error)
 
 
 class Watch:
@@ -103,9 +79,12 @@ class Watch:
         if watched is None:
             return
         for kind, listener in self._listeners.items():
-            watched.leave(kind, listener)
+            listeners = watched.done if kind == "done" else watched.failed
+            if listener in listeners:
+                listeners.remove(listener)
         self._listeners = {}
-        if not watched.handles:
+        if not (watched.done or watched.failed):
+            watched.handle.remove()
             watched.finalizer.detach()
             del _watched[self._key]
 
@@ -113,12 +92,12 @@ class Watch:
 def watch(
     model: nn.Module,
     *,
-    before: Callable[[], None] | None = None,
+    done: Callable[[], None] | None = None,
     failed: Callable[[BaseException], None] | None = None,
 ) -> Watch:
-    """Call the bound method ``before()`` before each forward of ``model``, and
-    ``failed(error)`` when a forward raises (before the error leaves the call; ``failed``
-    must not raise: ``torch`` would only warn about it). Both are held weakly: a forgotten
+    """Call the bound method ``done()`` after each forward of ``model`` that returned, and
+    ``failed(error)`` when one raised (before the error leaves the call; ``failed`` must
+    not raise: ``torch`` would only warn about it). Both are held weakly: a forgotten
     accumulator costs a dead reference.
     """
     key = id(model)
@@ -126,8 +105,8 @@ def watch(
     if watched is None:
         watched = _watched[key] = _Watched(model)
     listeners: dict[str, Any] = {}
-    for kind, method in (("before", before), ("failed", failed)):
+    for kind, method, into in (("done", done, watched.done), ("failed", failed, watched.failed)):
         if method is not None:
             listeners[kind] = weakref.WeakMethod(method)
-            watched.listen(kind, listeners[kind])
+            into.append(listeners[kind])
     return Watch(key, listeners)

@@ -49,8 +49,8 @@ class SyncStrategy(Protocol):
             (default False): it can be saved mid-window, and a ``zero_grad()`` that
             wipes it is caught.
         decides_in_forward: The wrapper decides during the forward whether the backward
-            communicates (DDP; default False): `forward_started` is called before each
-            forward of the model.
+            communicates (DDP; default False): `forward_done` is called after each forward
+            of the model.
     """
 
     group: dist.ProcessGroup | None
@@ -69,8 +69,8 @@ class SyncStrategy(Protocol):
         share, and return that norm (default: `clip_grad_norm`)."""
         return clip_grad_norm(params, max_norm)
 
-    def forward_started(self) -> None:
-        """Called before each forward of the model when `decides_in_forward` (default:
+    def forward_done(self) -> None:
+        """Called after each forward of the model when `decides_in_forward` (default:
         nothing to do)."""
         return
 
@@ -105,7 +105,7 @@ class DDPSync(SyncStrategy):
     The flag is set to what each microstep needs rather than toggled by ``no_sync()``,
     so a state left behind by someone else (an open ``no_sync()``, an accumulator that
     was never closed) cannot keep a boundary from all-reducing. Before each forward the
-    accumulator tells it (`forward_started`), so that a forward that saw another flag than
+    accumulator tells it (`forward_done`), so that a forward that saw another flag than
     the one armed (run ahead of its block, or inside a ``no_sync()`` of the user's own)
     can be reported at its backward. Two booleans, whatever the number of forwards.
     """
@@ -123,9 +123,10 @@ class DDPSync(SyncStrategy):
         self._synced = False  # one of them saw the flag set
         self._consumed = False  # a backward consumed what recorded forwards decided
 
-    def forward_started(self) -> None:
-        """Record the flag the forward about to run will see (under grad mode only: DDP
-        prepares no backward for a forward without grad)."""
+    def forward_done(self) -> None:
+        """Record the flag the forward that just ran saw: nobody changes it during a
+        forward (under grad mode only: DDP prepares no backward for a forward without
+        grad)."""
         if torch.is_grad_enabled():
             self._forwards = True
             self._synced = self._synced or self._ddp.require_backward_grad_sync

@@ -20,6 +20,8 @@ class Window:
     Attributes:
         done: Microsteps back-propagated (their blocks exited) in this window.
         size: Microsteps in this window: ``steps``, or fewer for an epoch's trailing window.
+        last: ``size - 1``: ``done`` equals it when the next microstep is the boundary (one
+            compare on the hot path; set with `resize`).
         divisor: What mean-mode losses were divided by; the size when the window opened
             (an epoch that ends sooner than planned is rescaled at the boundary).
         by_items: Whether this window passes ``num_items``; set by its first microstep.
@@ -29,7 +31,7 @@ class Window:
         items: The window's ``num_items`` so far (ints or 0-dim tensors).
     """
 
-    __slots__ = ("by_items", "divisor", "done", "in_block", "items", "losses", "size")
+    __slots__ = ("by_items", "divisor", "done", "in_block", "items", "last", "losses", "size")
 
     def __init__(self, size: int) -> None:
         self.in_block = False
@@ -38,11 +40,15 @@ class Window:
     def reset(self, size: int) -> None:
         """Close the window (applied, skipped or discarded); the next one takes ``size``."""
         self.done = 0
-        self.size = size
+        self.size, self.last = size, size - 1
         self.divisor = size
         self.by_items = False
         self.losses: list[Any] = []
         self.items: list[Any] = []
+
+    def resize(self, size: int) -> None:
+        """The window takes ``size`` microsteps (the epoch's end is nearer than ``steps``)."""
+        self.size, self.last = size, size - 1
 
     def open(self, by_items: bool) -> None:
         """The window's first microstep fixes its loss divisor and its mode."""
@@ -57,7 +63,7 @@ class Window:
     @property
     def next_is_boundary(self) -> bool:
         """The next microstep (or the one in the open block) completes the window."""
-        return self.done == self.size - 1
+        return self.done == self.last
 
     def where(self) -> str:
         """The microstep now due, for messages: ``"microstep 2 of 4"``."""

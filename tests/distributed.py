@@ -289,15 +289,17 @@ def verify_rows_with_late_arming(rank: int, world: int) -> Any:
     backward, after DDP's forward has already decided: the bug verify must catch."""
     from gradaccum import verify
     from gradaccum.accumulator import Accumulator
+    from gradaccum.block import Microstep
 
-    enter = Accumulator._enter
+    enter = Microstep.__enter__
 
-    def arm_then_enter(self: Accumulator, *args: Any) -> Any:
-        self._strategy.arm(self.sync_gradients or self._options.sync == "every")
-        return enter(self, *args)
+    def arm_then_enter(self: Microstep) -> Any:
+        acc = self.acc
+        acc._strategy.arm(acc.sync_gradients or acc._options.sync == "every")
+        return enter(self)
 
     Accumulator._arm = lambda self: None  # type: ignore[method-assign]
-    Accumulator._enter = arm_then_enter  # type: ignore[method-assign]
+    Microstep.__enter__ = arm_then_enter  # type: ignore[method-assign]
     return verify._rank_rows(rank, world, "DDP", [4], "late arming")
 
 

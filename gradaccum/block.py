@@ -1,0 +1,260 @@
+"""The ``with acc.microstep(loss):`` block: the backward on entering it, the window's
+boundary (normalize, unscale, clip, check) before its body, the step on leaving it, and
+what a failure in it leaves behind.
+
+This is the hot path: what is decided per window (its size and last microstep, its mode,
+its divisor, whether the strategy needs a look before the backward) is decided when the
+window opens, so that a microstep between is a few attribute reads and the backward.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from gradaccum import boundary, faults, stepping
+from gradaccum.errors import NonFiniteError, RankFailedError, UsageError, warn
+from gradaccum.step import Step
+
+if TYPE_CHECKING:
+    from gradaccum.accumulator import Accumulator
+
+__all__ = ["Microstep", "fail"]
+
+
+class Microstep:
+    """The ``with`` block of a microstep, one per accumulator; see `Accumulator.microstep`.
+
+    It holds the loss from ``microstep()`` until the block is entered, and the boundary's
+    `Step` until it exits; ``idle`` is what every other microstep of the window reports.
+    """
+
+    __slots__ = ("acc", "idle", "loss", "num_items", "step", "window")
+
+    def __init__(self, acc: Accumulator) -> None:
+        self.acc = acc
+        self.window = acc._window
+        self.loss: torch.Tensor | None = None
+        self.num_items: int | torch.Tensor | None = None
+        self.step: Step | None = None
+        self.idle = Step(boundary=False, global_step=0)
+
+    def __enter__(self) -> Step:
+        loss, self.loss = self.loss, None
+        if loss is None:
+            msg = "a microstep block was entered twice; call acc.microstep(loss) for each one"
+            raise UsageError(msg)
+        acc, window, num_items = self.acc, self.window, self.num_items
+        window.in_block = True
+        plan = acc._plan
+        if plan.active:  # (a microstep outside the epoch uses no microbatch of it)
+            plan.pending = False
+        if window.done == 0:
+            window.open(num_items is not None)
+        elif acc._watch_grads:
+            change = acc._grads.change()
+            if change is not None:
+                _wiped_or_changed(acc, change)
+        try:
+            if acc._look_before_backward:
+                actual = acc._strategy.overridden()
+                if actual is not None:
+                    _warn_overridden(acc, actual)
+            divisor = window.divisor
+            scaled = loss if num_items is not None or divisor == 1 else loss / divisor
+            scaler = acc._options.scaler
+            if scaler is not None:
+                scaled = scaler.scale(scaled)
+            scaled.backward()  # type: ignore[no-untyped-call]  # torch leaves it untyped
+            window.losses.append(loss.detach())  # the value only: the graph is freed now
+            if num_items is not None:
+                window.items.append(num_items)
+            if window.done != window.last:
+                if acc._watch_grads:
+                    if window.done:
+                        acc._grads.update()
+                    else:
+                        acc._grads.start(acc.optimizers, acc.model)
+                return self.idle
+            self.step = step = prepare_boundary(acc)
+        except BaseException as error:
+            window.in_block = False
+            failed = fail(acc, error, in_collectives=True)
+            if failed is not None:
+                raise failed from error
+            raise
+        return step
+
+    def __exit__(self, _: object, error: BaseException | None, *__: object) -> None:
+        window = self.window
+        window.in_block = False
+        step, self.step = self.step, None
+        if error is not None:
+            fail(self.acc, error)
+        elif step is None:
+            window.done += 1
+            if window.done == window.last:
+                self.acc._arm()
+        else:
+            apply(self.acc, step)
+
+
+def prepare_boundary(acc: Accumulator) -> Step:
+    """Normalize, unscale, clip and check the window's gradient: what the block sees."""
+    window, options, ranks = acc._window, acc._options, acc._ranks
+    params = acc._params.now()
+    divisor: int | torch.Tensor = len(window.losses)
+    totals = None  # the window's loss over the ranks, for step.global_loss
+    if window.by_items:
+        divisor, totals = boundary.normalize(acc._params, window, ranks)
+    else:
+        boundary.rescale(acc._params, window)
+        if options.global_loss and ranks.count > 1:
+            totals = boundary.global_mean(window, ranks)
+    acc._stepper.unscale()
+    norm = boundary.clip(acc._strategy, acc._params, options.max_grad_norm)
+    step = Step(
+        boundary=True,
+        global_step=acc._global_step + 1,
+        losses=window.losses,
+        divisor=divisor,
+        by_items=window.by_items,
+        grad_norm=norm,
+        lrs=tuple(map(stepping.learning_rate, acc.optimizers)),
+        alone=ranks.count == 1 and (window.by_items or options.global_loss),
+        global_totals=totals,
+    )
+    if options.check_finite and not boundary.all_finite(params, norm, ranks):
+        if options.on_nonfinite == "raise":
+            msg = (
+                f"the gradient of window {step.global_step} (the optimizer step after "
+                f"{acc._global_step}) holds inf or NaN; nothing was applied. Pass "
+                "on_nonfinite='skip' to skip such windows, or find the microbatch "
+                "whose loss is not finite"
+            )
+            raise NonFiniteError(msg, step.global_step)
+        step.skipped = True
+    return step
+
+
+def apply(acc: Accumulator, step: Step) -> None:
+    """Leaving the boundary's block: step (or skip) the window and count it; a failure in
+    the stepping counts the window only if the optimizers stepped."""
+    try:
+        if step.skipped:
+            acc._stepper.skip()
+        else:
+            step.skipped = acc._stepper.apply()
+    except BaseException as failure:
+        applied = acc._stepper.applied
+        if applied:  # the optimizers stepped: the window counts, though it failed
+            acc._close_window(skipped=False)
+        fail(acc, failure, applied=applied)
+        raise
+    acc._close_window(skipped=step.skipped)
+
+
+def fail(
+    acc: Accumulator, error: BaseException, *, applied: bool = False, in_collectives: bool = False
+) -> RankFailedError | None:
+    """After ``error``: drop the open window (unless it was applied, and so counted); under
+    several ranks, say which rank failed.
+
+    A rank that raises records the failure in the process group's store and refuses
+    further microsteps: its windows no longer line up with the others'. A rank whose
+    forward, backward or boundary (``in_collectives``: where the collectives run) fails
+    after another rank recorded a failure gets the `RankFailedError` to raise from
+    ``error``, naming that rank and the window each of the two stopped in.
+    """
+    if not applied:
+        acc._clear_window()
+        acc._plan.recut(acc._steps)  # the next windows start after the failed microbatch
+    ranks = acc._ranks
+    if ranks.count == 1 or isinstance(error, NonFiniteError):  # every rank raised that
+        return None
+    number = acc._global_step + (not applied)  # the window this rank stopped in
+    peer = ranks.first_failure() if in_collectives else None
+    if peer is not None:
+        acc._life.break_(f"rank {peer.rank} failed ({peer.what})")
+        message = _rank_failed(ranks.rank, number, applied, peer)
+        return RankFailedError(message, peer.rank, number, applied)
+    ranks.record_failure(number, applied, error)
+    acc._life.break_(f"this rank failed in window {number} ({type(error).__name__}: {error})")
+    return None
+
+
+def _rank_failed(me: int, window: int, applied: bool, peer: faults.Failure) -> str:
+    """What `RankFailedError` says: the window each of the two ranks stopped in, whether
+    it applied it, the windows this rank applied that the failed one did not, the fix."""
+    where = "there first" if peer.window == window else f"first, in window {peer.window}"
+    first, last = peer.window + peer.applied, window - (not applied)  # applied here only
+    ahead = ""
+    if last >= first:
+        windows = f"window {first}" if last == first else f"windows {first} to {last}"
+        ahead = f", so rank {me} applied {windows} that rank {peer.rank} did not"
+    return (
+        f"rank {me} stopped in window {window} because rank {peer.rank} failed {where}: "
+        f"{peer.what}; rank {peer.rank} {'applied' if peer.applied else 'did not apply'} "
+        f"window {peer.window}, rank {me} {'applied' if applied else 'did not apply'} "
+        f"window {window}{ahead}. Restart every rank from the last checkpoint"
+    )
+
+
+def _wiped_or_changed(acc: Accumulator, change: str) -> None:
+    """The window's gradient was cleared since its last microstep (refused: the window is
+    discarded; this rank's own refusal, not a collective's failure, so never
+    `RankFailedError`), or changed in place (warned about)."""
+    window = acc._window
+    if change == "changed":
+        warn(
+            f"the gradient of this window was changed in place after microstep {window.done} "
+            f"of {window.size} (by clip_grad_norm_, say), so that change applied to a "
+            "partial sum; pass max_grad_norm= to the Accumulator, or clip inside the "
+            "boundary's block (when step.boundary is True)"
+        )
+        return
+    window.in_block = False
+    msg = (
+        f"the gradient of this window's first {window.done} microsteps was cleared "
+        "since the last one, by optimizer.zero_grad() or model.zero_grad() inside the "
+        "window; remove that call: the accumulator clears the gradients after each "
+        "window's optimizer step (the window is discarded)"
+    )
+    error = UsageError(msg)
+    fail(acc, error)
+    raise error
+
+
+def _warn_overridden(acc: Accumulator, actual: bool) -> None:
+    """This backward will communicate otherwise than was armed: DDP's forward saw another
+    flag (it ran ahead of its block, or inside a ``no_sync()`` of the user's own), or
+    someone else turned the wrapper's sync off or on since it was armed."""
+    window, strategy = acc._window, acc._strategy
+    will = "reduce" if actual else "not reduce"
+    lost = (
+        ", so this window's gradient is not reduced over the ranks and its update is "
+        "wrong (under DDP the ranks' parameters drift apart)"
+        if not actual and window.next_is_boundary
+        else ""
+    )
+    if strategy.decides_in_forward:
+        cause = (
+            f"the forward of {window.where()} ran while DDP was set to "
+            f"{'all-reduce' if actual else 'defer'} (ahead of its block, or inside a "
+            "no_sync() of your own)"
+        )
+        fix = (
+            "run each microbatch's forward right before its `with acc.microstep(loss):` "
+            "block, outside any no_sync(): the accumulator sets DDP's flag itself"
+        )
+    else:
+        cause = (
+            f"the sync state of {type(strategy).__name__} was changed since the accumulator "
+            "armed it (by a no_sync() or set_requires_gradient_sync() of your own?)"
+        )
+        fix = "remove that call: the accumulator sets the wrapper's sync for every microstep"
+    warn(
+        f"the backward of {window.where()} will {will} the gradient, which is not "
+        f"what the accumulator armed: {cause}{lost}; {fix}"
+    )
