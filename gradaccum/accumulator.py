@@ -25,7 +25,7 @@ from gradaccum.plan import EpochPlan
 from gradaccum.ranks import Ranks
 from gradaccum.schedule import check_bool, check_steps
 from gradaccum.step import Step
-from gradaccum.sync import SyncPolicy, SyncStrategy, strategy_for
+from gradaccum.sync import LocalSync, SyncPolicy, SyncStrategy, strategy_for
 from gradaccum.window import Lifecycle, State, Window
 
 __all__ = ["Accumulator", "Step"]
@@ -149,12 +149,12 @@ class Accumulator:
         self._params = boundary.Params(parts.optimizers, model)
         self._window = Window(steps)
         self._plan = EpochPlan(self._options.drop_last)
-        self._life = Lifecycle()
         self._grads = misuse.GradWatch()
+        self._block = block.Microstep(self)
+        self._life = Lifecycle(stopped=self._block.stop)
         self._global_step = self._skipped = 0
         self._armed: bool | None = None  # what the strategy was last told
         self._use(strategy)
-        self._block = block.Microstep(self)
         for each in parts.optimizers:
             each.zero_grad(set_to_none=True)
         self._stepper = stepping.Stepper(
@@ -181,12 +181,15 @@ class Accumulator:
     def _use(self, strategy: SyncStrategy) -> None:
         """Take ``strategy``, and what it asks of the hot path (decided once, here)."""
         self._strategy, self._armed = strategy, None
-        self._watch_grads = strategy.grads_in_params
-        self._look_before_backward = type(strategy).overridden is not SyncStrategy.overridden
+        self._arms = type(strategy).arm is not LocalSync.arm  # a local module has nothing to arm
+        self._block.watch = strategy.grads_in_params
+        self._block.look = type(strategy).overridden is not SyncStrategy.overridden
 
     def _arm(self) -> None:
         """Arm the next backward before its forward: sync if the next microstep is the
         boundary or the policy is "every"; the strategy is called only on a change."""
+        if not self._arms:
+            return
         window = self._window
         sync = window.done == window.last or self._options.sync == "every"
         if sync is not self._armed:
@@ -292,25 +295,27 @@ class Accumulator:
                 ``num_items`` is a negative int or a tensor that is not 0-dim (a
                 tensor's value is not read, to avoid a host sync).
         """
-        window, started = self._window, self._block
+        started = self._block
         # One cheap condition each on the hot path; messages are built on failure.
-        if self._life.state is not State.OPEN or window.in_block or started.loss is not None:
+        if started.busy:
             self._refuse_microstep()
-        if not (isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.requires_grad):
+        try:  # (free when it holds; a non-tensor fails on the attribute)
+            usable = loss.ndim == 0 and loss.requires_grad
+        except AttributeError:
+            usable = False
+        if not usable:
             checks.refuse_loss(loss)
-        if num_items is not None:
-            checks.check_num_items(num_items)
-            if window.done and not window.by_items:
-                self._refuse_mixing(True)
-        elif window.by_items and window.done:
-            self._refuse_mixing(False)
-        started.loss, started.num_items = loss, num_items
+        if num_items is not None or self._window.by_items:
+            self._check_items(num_items)
+        started.loss, started.num_items, started.busy = loss, num_items, True
         return started
 
     def _refuse_microstep(self) -> NoReturn:
         self._life.check("microstep()")
-        if self._block.loss is not None:
-            self._block.loss = None  # drop the stale loss so that the corrected loop can run
+        started = self._block
+        if started.loss is not None:
+            # Drop the stale loss so that the corrected loop can run.
+            started.loss, started.busy = None, started.stopped
             msg = (
                 "the previous acc.microstep(...) was never entered, so its loss was not "
                 "back-propagated; use it as `with acc.microstep(loss):`"
@@ -322,14 +327,20 @@ class Accumulator:
             )
         raise UsageError(msg)
 
-    def _refuse_mixing(self, by_items: bool) -> NoReturn:
-        msg = (
-            f"microstep {self._window.done + 1} of this window "
-            f"{'passes' if by_items else 'omits'} num_items but the window's first "
-            f"microstep did {'not' if by_items else 'so'}; pass num_items on every "
-            "microstep of a window or on none"
-        )
-        raise UsageError(msg)
+    def _check_items(self, num_items: int | torch.Tensor | None) -> None:
+        """Refuse a bad ``num_items``, or a window that mixes it with mean losses."""
+        by_items = num_items is not None
+        if by_items:
+            checks.check_num_items(num_items)
+        window = self._window
+        if window.done and by_items is not window.by_items:
+            msg = (
+                f"microstep {window.done + 1} of this window "
+                f"{'passes' if by_items else 'omits'} num_items but the window's first "
+                f"microstep did {'not' if by_items else 'so'}; pass num_items on every "
+                "microstep of a window or on none"
+            )
+            raise UsageError(msg)
 
     def _close_window(self, *, skipped: bool) -> None:
         """Count the window that closed (applied or skipped) and start the next."""
@@ -343,7 +354,7 @@ class Accumulator:
         self._stepper.clear()
         self._grads.stop()
         self._window.reset(self._steps)
-        self._block.idle = Step(boundary=False, global_step=self._global_step)
+        self._block.idle = Step(False, self._global_step)
         self._arm()
 
     def _forward_done(self) -> None:

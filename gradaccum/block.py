@@ -28,59 +28,96 @@ class Microstep:
 
     It holds the loss from ``microstep()`` until the block is entered, and the boundary's
     `Step` until it exits; ``idle`` is what every other microstep of the window reports.
+    ``busy`` refuses a new ``microstep()`` (a loss waits for its block, a block is open, or
+    the accumulator is closed or broken: ``stopped``); the other attributes are what the
+    hot path reads, set when the accumulator takes a strategy (`Accumulator._use`).
     """
 
-    __slots__ = ("acc", "idle", "loss", "num_items", "step", "window")
+    __slots__ = (
+        "acc",
+        "busy",
+        "grads",
+        "idle",
+        "look",
+        "loss",
+        "num_items",
+        "plan",
+        "scaler",
+        "step",
+        "stopped",
+        "watch",
+        "window",
+    )
 
     def __init__(self, acc: Accumulator) -> None:
         self.acc = acc
-        self.window = acc._window
+        self.window, self.plan, self.grads = acc._window, acc._plan, acc._grads
+        self.scaler = acc._options.scaler
+        self.watch = self.look = False
+        self.busy = self.stopped = False
         self.loss: torch.Tensor | None = None
         self.num_items: int | torch.Tensor | None = None
         self.step: Step | None = None
-        self.idle = Step(boundary=False, global_step=0)
+        self.idle = Step(False, 0)
+
+    def stop(self) -> None:
+        """The accumulator takes no more microsteps (closed, or broken)."""
+        self.busy = self.stopped = True
 
     def __enter__(self) -> Step:
-        loss, self.loss = self.loss, None
+        loss = self.loss
         if loss is None:
             msg = "a microstep block was entered twice; call acc.microstep(loss) for each one"
             raise UsageError(msg)
-        acc, window, num_items = self.acc, self.window, self.num_items
+        self.loss = None
+        window, num_items = self.window, self.num_items
         window.in_block = True
-        plan = acc._plan
+        plan = self.plan
         if plan.active:  # (a microstep outside the epoch uses no microbatch of it)
             plan.pending = False
         if window.done == 0:
             window.open(num_items is not None)
-        elif acc._watch_grads:
-            change = acc._grads.change()
-            if change is not None:
-                _wiped_or_changed(acc, change)
+        elif self.watch:
+            grads = self.grads
+            param, grad = grads.param, grads.grad
+            if (
+                param is not None
+                and grad is not None
+                and (param.grad is not grad or grad._version != grads.version)
+            ) or grads.rest:
+                change = grads.change()
+                if change is not None:
+                    _wiped_or_changed(self, change)
         try:
-            if acc._look_before_backward:
-                actual = acc._strategy.overridden()
+            if self.look:
+                actual = self.acc._strategy.overridden()
                 if actual is not None:
-                    _warn_overridden(acc, actual)
+                    _warn_overridden(self.acc, actual)
             divisor = window.divisor
             scaled = loss if num_items is not None or divisor == 1 else loss / divisor
-            scaler = acc._options.scaler
-            if scaler is not None:
-                scaled = scaler.scale(scaled)
+            if self.scaler is not None:
+                scaled = self.scaler.scale(scaled)
             scaled.backward()  # type: ignore[no-untyped-call]  # torch leaves it untyped
             window.losses.append(loss.detach())  # the value only: the graph is freed now
             if num_items is not None:
                 window.items.append(num_items)
             if window.done != window.last:
-                if acc._watch_grads:
+                if self.watch:
+                    grads = self.grads
                     if window.done:
-                        acc._grads.update()
+                        grad = grads.grad
+                        if grad is not None:
+                            grads.version = grad._version
+                        if grads.rest:
+                            grads.update()
                     else:
-                        acc._grads.start(acc.optimizers, acc.model)
+                        grads.start(self.acc._params.watched())
                 return self.idle
-            self.step = step = prepare_boundary(acc)
+            self.step = step = prepare_boundary(self.acc)
         except BaseException as error:
             window.in_block = False
-            failed = fail(acc, error, in_collectives=True)
+            self.busy = self.stopped
+            failed = fail(self.acc, error, in_collectives=True)
             if failed is not None:
                 raise failed from error
             raise
@@ -89,43 +126,51 @@ class Microstep:
     def __exit__(self, _: object, error: BaseException | None, *__: object) -> None:
         window = self.window
         window.in_block = False
-        step, self.step = self.step, None
+        self.busy = self.stopped
+        step = self.step
         if error is not None:
+            self.step = None
             fail(self.acc, error)
         elif step is None:
             window.done += 1
             if window.done == window.last:
                 self.acc._arm()
         else:
+            self.step = None
             apply(self.acc, step)
 
 
 def prepare_boundary(acc: Accumulator) -> Step:
     """Normalize, unscale, clip and check the window's gradient: what the block sees."""
-    window, options, ranks = acc._window, acc._options, acc._ranks
-    params = acc._params.now()
+    window, options, ranks, params = acc._window, acc._options, acc._ranks, acc._params
+    listed = params.now()
+    by_items = window.by_items
     divisor: int | torch.Tensor = len(window.losses)
     totals = None  # the window's loss over the ranks, for step.global_loss
-    if window.by_items:
-        divisor, totals = boundary.normalize(acc._params, window, ranks)
+    if by_items:
+        divisor, totals = boundary.normalize(params, window, ranks)
     else:
-        boundary.rescale(acc._params, window)
+        if window.divisor != window.size:  # an epoch that ended sooner than planned
+            boundary.rescale(params, window)
         if options.global_loss and ranks.count > 1:
             totals = boundary.global_mean(window, ranks)
-    acc._stepper.unscale()
-    norm = boundary.clip(acc._strategy, acc._params, options.max_grad_norm)
+    if options.scaler is not None:
+        acc._stepper.unscale()
+    norm = None
+    if options.max_grad_norm is not None:
+        norm = boundary.clip(acc._strategy, params, options.max_grad_norm)
     step = Step(
-        boundary=True,
-        global_step=acc._global_step + 1,
-        losses=window.losses,
-        divisor=divisor,
-        by_items=window.by_items,
-        grad_norm=norm,
-        lrs=tuple(map(stepping.learning_rate, acc.optimizers)),
-        alone=ranks.count == 1 and (window.by_items or options.global_loss),
-        global_totals=totals,
+        True,
+        acc._global_step + 1,
+        window.losses,
+        divisor,
+        by_items,
+        norm,
+        tuple(map(stepping.learning_rate, acc.optimizers)),
+        ranks.count == 1 and (by_items or options.global_loss),
+        totals,
     )
-    if options.check_finite and not boundary.all_finite(params, norm, ranks):
+    if options.check_finite and not boundary.all_finite(listed, norm, ranks):
         if options.on_nonfinite == "raise":
             msg = (
                 f"the gradient of window {step.global_step} (the optimizer step after "
@@ -201,11 +246,11 @@ def _rank_failed(me: int, window: int, applied: bool, peer: faults.Failure) -> s
     )
 
 
-def _wiped_or_changed(acc: Accumulator, change: str) -> None:
+def _wiped_or_changed(block: Microstep, change: str) -> None:
     """The window's gradient was cleared since its last microstep (refused: the window is
     discarded; this rank's own refusal, not a collective's failure, so never
     `RankFailedError`), or changed in place (warned about)."""
-    window = acc._window
+    window = block.window
     if change == "changed":
         warn(
             f"the gradient of this window was changed in place after microstep {window.done} "
@@ -215,6 +260,7 @@ def _wiped_or_changed(acc: Accumulator, change: str) -> None:
         )
         return
     window.in_block = False
+    block.busy = block.stopped
     msg = (
         f"the gradient of this window's first {window.done} microsteps was cleared "
         "since the last one, by optimizer.zero_grad() or model.zero_grad() inside the "
@@ -222,7 +268,7 @@ def _wiped_or_changed(acc: Accumulator, change: str) -> None:
         "window's optimizer step (the window is discarded)"
     )
     error = UsageError(msg)
-    fail(acc, error)
+    fail(block.acc, error)
     raise error
 
 

@@ -42,7 +42,7 @@ class Params:
     its grouping by device and dtype; `ordered` and `grads_by_kind` read what `now` made.
     """
 
-    __slots__ = ("_by_kind", "_key", "_list", "_model", "_optimizers", "_ordered")
+    __slots__ = ("_by_kind", "_key", "_list", "_model", "_optimizers", "_ordered", "_watched")
 
     def __init__(self, optimizers: tuple[torch.optim.Optimizer, ...], model: nn.Module) -> None:
         self._optimizers = optimizers
@@ -51,6 +51,7 @@ class Params:
         self._list: list[torch.Tensor] = []
         self._ordered: list[torch.Tensor] = []
         self._by_kind: list[tuple[torch.device, torch.dtype, list[torch.Tensor]]] = []
+        self._watched: list[list[torch.Tensor]] = []
 
     def _groups_key(self) -> tuple[int, ...]:
         key: list[int] = []
@@ -71,7 +72,19 @@ class Params:
             for param in self._list:
                 kinds.setdefault((param.device, param.dtype), []).append(param)
             self._by_kind = [(device, dtype, group) for (device, dtype), group in kinds.items()]
+            self._watched = [
+                [param for group in optimizer.param_groups for param in group["params"]]
+                for optimizer in self._optimizers
+            ]
+            self._watched.append(self._ordered)
         return self._list
+
+    def watched(self) -> list[list[torch.Tensor]]:
+        """Where a wipe of the window is seen (`gradaccum.misuse.GradWatch`): each
+        optimizer's parameters (its ``zero_grad()`` clears them), and the model's in its
+        order (``model.zero_grad()``), as they are now."""
+        self.now()
+        return self._watched
 
     def ordered(self) -> list[torch.Tensor]:
         """`now`'s parameters in the order of ``model.parameters()``, then those the model

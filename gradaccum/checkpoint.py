@@ -98,8 +98,8 @@ def load(acc: Accumulator, state: Mapping[str, Any], allow_steps_change: bool) -
         window.resize(saved.window.size)
         window.divisor, window.by_items = saved.window.divisor, saved.window.by_items
         window.items, window.losses = list(saved.window.items), list(saved.window.losses)
-        if acc._watch_grads:
-            acc._grads.start(acc.optimizers, acc.model)
+        if acc._block.watch:
+            acc._grads.start(acc._params.watched())
         acc._arm()
 
 

@@ -57,14 +57,17 @@ def run(acc: Accumulator, iterable: Iterable[T]) -> Iterator[T]:
         if n is None:
             yield from (_agreed if ranks.count > 1 else _look_ahead)(acc, iterator)
         elif plan.position < (plan.trained_end or 0):
-            # The sized epoch, inline: one generator frame per hand-out.
+            # The sized epoch, inline: one generator frame per hand-out. Inside a window,
+            # once the epoch's first hand-out ran the plan's way and while the loop
+            # back-propagates what it is handed, the window's size is settled.
+            settled = False
             for item in iterator:
-                if window.done and not plan.pending and plan.resume_at is None:
-                    # Inside a window, its last microbatch back-propagated: its size is settled.
+                if settled and window.done and not plan.pending:
                     plan.position += 1
                     plan.pending = True
                 else:
                     _hand_out(acc, n - plan.position - 1)
+                    settled = True
                 yield item
                 if plan.position >= (plan.trained_end or 0):
                     break

@@ -7,10 +7,9 @@ code that does not use it pays nothing.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Literal
 
 import torch
-from torch import nn
 
 __all__ = ["Change", "GradWatch"]
 
@@ -35,56 +34,70 @@ class GradWatch:
     gradient is ``param.grad`` (a plain module, DDP); a few attribute reads a microstep.
     """
 
-    __slots__ = ("_watched",)
+    __slots__ = ("grad", "param", "rest", "version")
 
     def __init__(self) -> None:
-        self._watched: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # param, grad, version
+        # The first watched gradient is kept apart, so that the microstep reads it inline
+        # (`gradaccum.block`): a version-counter compare, not a call.
+        self.param: torch.Tensor | None = None
+        self.grad: torch.Tensor | None = None
+        self.version = 0
+        self.rest: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # param, grad, version
 
-    def start(self, optimizers: Iterable[torch.optim.Optimizer], model: nn.Module) -> None:
-        """After a window's first backward: watch each optimizer's first gradient and the
-        model's."""
-        found = [_first_grad(optimizer.param_groups) for optimizer in optimizers]
-        found.append(_first_grad([{"params": model.parameters()}]))
-        self._watched = []
-        for pair in found:
-            if pair is not None and all(pair[0] is not param for param, _, _ in self._watched):
-                self._watched.append((*pair, pair[1]._version))
+    def start(self, candidates: Iterable[list[torch.Tensor]]) -> None:
+        """After a window's first backward: watch the first gradient of each list of
+        ``candidates`` (each optimizer's parameters, and the model's in its order)."""
+        found: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        for group in candidates:
+            for param in group:
+                grad = param.grad
+                if grad is not None:
+                    for seen, _, _ in found:
+                        if seen is param:
+                            break
+                    else:
+                        found.append((param, grad, grad._version))
+                    break
+        if found:
+            (self.param, self.grad, self.version), *self.rest = found
+        else:
+            self.stop()
 
     def update(self) -> None:
         """After a later backward, which accumulated into the watched gradients."""
-        self._watched = [(param, grad, grad._version) for param, grad, _ in self._watched]
+        if self.grad is not None:
+            self.version = self.grad._version
+        if self.rest:
+            self.rest = [(param, grad, grad._version) for param, grad, _ in self.rest]
 
     def change(self) -> Change | None:
         """What happened to the watched gradients since the last backward: one dropped,
         zeroed or replaced by other values (``"wiped"``), one changed in place otherwise
         (``"changed"``), or nothing (None)."""
+        if self.param is None or self.grad is None:
+            return None
         found: Change | None = None
-        for index, (param, grad, version) in enumerate(self._watched):
+        now: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        for param, grad, version in [(self.param, self.grad, self.version), *self.rest]:
             if param.grad is not grad:
                 replaced = param.grad
                 if replaced is None or not _same(replaced, grad):
                     return "wiped"
-                self._watched[index] = (param, replaced, replaced._version)
+                grad, version = replaced, replaced._version
             elif grad._version != version:
                 # Changed in place: wiped only if it is now all zero.
-                self._watched[index] = (param, grad, grad._version)
+                version = grad._version
                 if not bool(grad.any()):
                     return "wiped"
                 found = "changed"
+            now.append((param, grad, version))
+        (self.param, self.grad, self.version), *self.rest = now
         return found
 
     def stop(self) -> None:
         """The window closed."""
-        self._watched = []
-
-
-def _first_grad(groups: Iterable[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The first parameter of ``groups`` that has a gradient, and that gradient."""
-    for group in groups:
-        for param in group["params"]:
-            if param.grad is not None:
-                return param, param.grad
-    return None
+        self.param = self.grad = None
+        self.rest = []
 
 
 def _same(grad: torch.Tensor, other: torch.Tensor) -> bool:

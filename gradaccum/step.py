@@ -64,7 +64,6 @@ class Step:
         self,
         boundary: bool,
         global_step: int,
-        *,
         losses: Sequence[torch.Tensor] = (),
         divisor: int | torch.Tensor = 1,
         by_items: bool = False,
@@ -73,6 +72,7 @@ class Step:
         alone: bool = True,
         global_totals: torch.Tensor | None = None,
     ) -> None:
+        # Positional, in this order: one is made per window, on the hot path.
         self.boundary = boundary
         self.global_step = global_step
         self.grad_norm = grad_norm

@@ -87,26 +87,18 @@ class Stepper:
                 skipped = self.scaler.get_scale() < scale  # it shrinks only on a skip
             self.applied = True
             if not skipped:
+                scheduled = self._scheduled
                 for index, scheduler in enumerate(self.schedulers):
-                    if scheduler is not None:
-                        self._step_scheduler(index, scheduler)
+                    if scheduler is None:
+                        continue
+                    moved = getattr(scheduler, "last_epoch", None)
+                    if moved != scheduled[index] and scheduled[index] is not None:
+                        _warn_stepped(scheduled[index], moved)
+                    scheduler.step()
+                    scheduled[index] = _last_epoch(scheduler)
         finally:
             self._stepping = False
         return skipped
-
-    def _step_scheduler(self, index: int, scheduler: Any) -> None:
-        scheduled = self._scheduled[index]
-        moved = _last_epoch(scheduler)
-        if scheduled is not None and moved is not None and moved != scheduled:
-            warn(
-                f"the scheduler was stepped outside the accumulator (its last_epoch "
-                f"moved from {scheduled} to {moved} between the accumulator's "
-                "steps); the accumulator steps it once per applied window: remove the "
-                "scheduler.step() call (after loading a scheduler's state, also load "
-                "the accumulator's)"
-            )
-        scheduler.step()
-        self._scheduled[index] = _last_epoch(scheduler)
 
     def skip(self) -> None:
         """A window skipped for inf/NaN: no optimizer or scheduler step; the scale backs off
@@ -158,6 +150,15 @@ class Stepper:
             "optimizer; it steps once when each window's last microstep block exits: "
             "remove the call (or close() the accumulator first)"
         )
+
+
+def _warn_stepped(scheduled: int | None, moved: object) -> None:
+    warn(
+        f"the scheduler was stepped outside the accumulator (its last_epoch moved from "
+        f"{scheduled} to {moved} between the accumulator's steps); the accumulator steps it "
+        "once per applied window: remove the scheduler.step() call (after loading a "
+        "scheduler's state, also load the accumulator's)"
+    )
 
 
 def learning_rate(optimizer: torch.optim.Optimizer) -> float | torch.Tensor | None:

@@ -79,22 +79,33 @@ class State(enum.Enum):
 
 
 class Lifecycle:
-    """The accumulator's state and why it left `State.OPEN`; one place that refuses calls."""
+    """The accumulator's state and why it left `State.OPEN`; one place that refuses calls.
 
-    __slots__ = ("reason", "state")
+    ``stopped`` (an opaque callable) is called when the state leaves `State.OPEN`, so that
+    the hot path can keep one flag instead of reading this state on every microstep.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("reason", "state", "stopped")
+
+    def __init__(self, stopped: Any = None) -> None:
         self.state = State.OPEN
         self.reason = ""
+        self.stopped = stopped
 
     def close(self, reason: str = "") -> None:
         """Stop taking calls (``reason``: why, when not by `Accumulator.close`)."""
         if self.state is State.OPEN:
             self.state, self.reason = State.CLOSED, reason
+            self._stop()
 
     def break_(self, reason: str) -> None:
         """Stop taking calls because the ranks' windows no longer line up."""
         self.state, self.reason = State.BROKEN, reason
+        self._stop()
+
+    def _stop(self) -> None:
+        if self.stopped is not None:
+            self.stopped()
 
     def check(self, call: str) -> None:
         """Refuse ``call`` unless the accumulator is open."""
