@@ -47,7 +47,7 @@ class Floor:
             self.ddp.require_backward_grad_sync = self.done == self.steps - 1
 
     def microstep(self, loss: torch.Tensor, items: int | None = None) -> Floor:
-        scaled = loss if items is not None else loss / self.steps
+        scaled = loss if items is not None or self.steps == 1 else loss / self.steps
         if self.scaler is not None:
             scaled = self.scaler.scale(scaled)
         scaled.backward()

@@ -38,9 +38,14 @@ How to read it:
     ``ratio`` is gradaccum's instructions per microstep over the hand loop's; the target
     is at most 1.02 in every cell, and ``floor`` shows how low a library can go.
 
+    ``--tensors 5000`` measures the boundary instead: a model of 5,000 parameter tensors
+    (each 16 values), ``steps=1`` so that every microstep is a window, and the ratio is
+    then the window's cost over the hand loop's (the target: at most 1.003, the boundary
+    O(1) in Python beyond the optimizer's own work).
+
 Usage:
     python benchmarks/instructions.py [--width 4 128] [--mode plain clip ...]
-        [--setup process ddp] [--microsteps 80] [--json PATH]
+        [--setup process ddp] [--microsteps 80] [--json PATH] [--tensors N]
 """
 
 from __future__ import annotations
@@ -90,9 +95,26 @@ def build_markers(directory: Path) -> Path:
 # The child: one loop, counted --------------------------------------------------------------
 
 
+class Many(nn.Module):
+    """``count`` parameter tensors of 16 values, each scaling the input: a model whose
+    boundary is all per-tensor work (the ``tensors`` setup)."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        self.scales = nn.ParameterList(nn.Parameter(torch.randn(16)) for _ in range(count))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = torch.stack(list(self.scales)).sum(0)
+        return (x * weight).sum(1, keepdim=True)
+
+
 def build(width: int, mode: str, setup: str) -> tuple[nn.Module, Any, Any, Any]:
     torch.manual_seed(0)
-    model: nn.Module = nn.Sequential(nn.Linear(16, width), nn.ReLU(), nn.Linear(width, 1))
+    model: nn.Module = (
+        Many(width)
+        if setup == "tensors"
+        else nn.Sequential(nn.Linear(16, width), nn.ReLU(), nn.Linear(width, 1))
+    )
     if setup == "ddp":
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
@@ -106,13 +128,13 @@ def build(width: int, mode: str, setup: str) -> tuple[nn.Module, Any, Any, Any]:
     return model, optimizer, scheduler, scaler
 
 
-def hand_block(parts: tuple[Any, ...], mode: str, batches: list[Any]) -> None:
+def hand_block(parts: tuple[Any, ...], mode: str, batches: list[Any], steps: int) -> None:
     model, optimizer, scheduler, scaler = parts
     ddp = hasattr(model, "require_backward_grad_sync")
     params = [p for group in optimizer.param_groups for p in group["params"]]
     items = 0
     for index, (x, y) in enumerate(batches):
-        boundary = index % STEPS == STEPS - 1
+        boundary = index % steps == steps - 1
         if ddp:
             model.require_backward_grad_sync = boundary
         if mode == "items":
@@ -121,7 +143,7 @@ def hand_block(parts: tuple[Any, ...], mode: str, batches: list[Any]) -> None:
             items += len(x)
         else:
             loss = (model(x) - y).square().mean()
-            scaled = loss / STEPS
+            scaled = loss / steps if steps > 1 else loss
             (scaled if scaler is None else scaler.scale(scaled)).backward()
         if not boundary:
             continue
@@ -169,6 +191,7 @@ def gradaccum_block(acc: Any, mode: str, batches: list[Any]) -> None:
 
 def child(loop: str, width: int, mode: str, setup: str, microsteps: int, library: str) -> None:
     markers = ctypes.CDLL(library)
+    steps = 1 if setup == "tensors" else STEPS  # there, every microstep is a boundary
     torch.set_num_threads(1)
     parts = build(width, mode, setup)
     generator = torch.Generator().manual_seed(1)
@@ -178,7 +201,7 @@ def child(loop: str, width: int, mode: str, setup: str, microsteps: int, library
     ]
     warm, timed = batches[:microsteps], batches[microsteps:]
     if loop == "hand":
-        run: Any = lambda data: hand_block(parts, mode, data)  # noqa: E731
+        run: Any = lambda data: hand_block(parts, mode, data, steps)  # noqa: E731
     elif loop == "floor":
         sys.path.insert(0, str(HERE))
         from floor import Floor
@@ -188,7 +211,7 @@ def child(loop: str, width: int, mode: str, setup: str, microsteps: int, library
             model,
             optimizer,
             scheduler,
-            steps=STEPS,
+            steps=steps,
             max_grad_norm=1.0 if mode == "clip" else None,
             scaler=scaler,
             skip_nonfinite=mode == "skip",
@@ -203,7 +226,7 @@ def child(loop: str, width: int, mode: str, setup: str, microsteps: int, library
             model,
             optimizer,
             scheduler,
-            steps=STEPS,
+            steps=steps,
             max_grad_norm=1.0 if mode == "clip" else None,
             scaler=scaler,
             on_nonfinite="skip" if mode == "skip" else None,
@@ -262,6 +285,11 @@ def main() -> None:
     parser.add_argument("--microsteps", type=int, default=80, help="timed block (80)")
     parser.add_argument("--json", type=Path, help="also write the rows to this file")
     parser.add_argument("--jobs", type=int, default=2, help="cells counted at once (2)")
+    parser.add_argument(
+        "--tensors",
+        type=int,
+        help="instead: the boundary on a model of this many parameter tensors, steps=1",
+    )
     parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -272,7 +300,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as directory:
         library = build_markers(Path(directory))
         print(
-            f"torch {torch.__version__}; instructions per microstep, steps={STEPS}, batch {BATCH}"
+            f"torch {torch.__version__}; instructions per microstep, steps={STEPS} "
+            f"(1 with --tensors), {BATCH} rows"
         )
         header = f"{'setup':8} {'width':>5} {'mode':7} {'hand':>10} {'floor':>10} {'gradaccum':>10}"
         print(f"{header} {'floor/hand':>10} {'ratio':>6}")

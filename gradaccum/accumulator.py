@@ -147,6 +147,7 @@ class Accumulator:
         self._steps = steps
         self._ranks = Ranks(strategy.group, parts.params[0].device)
         self._params = boundary.Params(parts.optimizers, model)
+        self._params.now()
         self._window = Window(steps)
         self._plan = EpochPlan(self._options.drop_last)
         self._grads = misuse.GradWatch()
@@ -352,10 +353,14 @@ class Accumulator:
     def _clear_window(self) -> None:
         """Clear the window's gradient and state, so that the next microstep starts clean."""
         self._stepper.clear()
-        self._grads.stop()
+        grads = self._grads
+        grads.param = grads.grad = None  # (GradWatch.stop, inline)
+        if grads.rest:
+            grads.rest = []
         self._window.reset(self._steps)
         self._block.idle = Step(False, self._global_step)
-        self._arm()
+        if self._arms:
+            self._arm()
 
     def _forward_done(self) -> None:
         """After each forward of the model (hooks.py): the strategy records what that

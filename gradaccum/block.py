@@ -156,6 +156,12 @@ def prepare_boundary(acc: Accumulator) -> Step:
             totals = boundary.global_mean(window, ranks)
     if options.scaler is not None:
         acc._stepper.unscale()
+    optimizers = acc.optimizers
+    lrs = (
+        tuple(map(stepping.learning_rate, optimizers))
+        if len(optimizers) > 1
+        else (stepping.learning_rate(optimizers[0]),)
+    )
     norm = None
     if options.max_grad_norm is not None:
         norm = boundary.clip(acc._strategy, params, options.max_grad_norm)
@@ -166,7 +172,7 @@ def prepare_boundary(acc: Accumulator) -> Step:
         divisor,
         by_items,
         norm,
-        tuple(map(stepping.learning_rate, acc.optimizers)),
+        lrs,
         ranks.count == 1 and (by_items or options.global_loss),
         totals,
     )

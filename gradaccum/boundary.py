@@ -4,7 +4,7 @@ the check is asked for.
 
 The parameters, their order in the model and their grouping by device and dtype are
 worked out once (`Params`) and again only when the optimizers' groups change
-(``optimizer.add_param_group``, a new group list, a group's list of another length), so
+(``optimizer.add_param_group``, a new group list from ``load_state_dict``), so
 that a boundary costs no Python work per parameter beyond the optimizer's own; parameters
 added between windows are treated like the others.
 """
@@ -37,9 +37,10 @@ __all__ = [
 class Params:
     """The optimizers' parameters, cached until their groups change.
 
-    `now` checks the groups (a tuple of their lists' ids and lengths: a few reads per
-    group) and, when they changed, works out again the list, its order in the model and
-    its grouping by device and dtype; `ordered` and `grads_by_kind` read what `now` made.
+    `now` checks the groups (each optimizer's list of them, by id and length: a few reads)
+    and, when they changed, works out again the list, its order in the model and its
+    grouping by device and dtype; `ordered`, `grads_by_kind` and `watched` read what
+    `now` made.
     """
 
     __slots__ = ("_by_kind", "_key", "_list", "_model", "_optimizers", "_ordered", "_watched")
@@ -54,12 +55,15 @@ class Params:
         self._watched: list[list[torch.Tensor]] = []
 
     def _groups_key(self) -> tuple[int, ...]:
+        # An optimizer's groups change by add_param_group (one more) or a new list
+        # (load_state_dict): its list's id and length tell.
+        if len(self._optimizers) == 1:
+            groups = self._optimizers[0].param_groups
+            return (id(groups), len(groups))
         key: list[int] = []
         for optimizer in self._optimizers:
             groups = optimizer.param_groups
             key += (id(groups), len(groups))
-            for group in groups:
-                key += (id(group["params"]), len(group["params"]))
         return tuple(key)
 
     def now(self) -> list[torch.Tensor]:
@@ -82,8 +86,8 @@ class Params:
     def watched(self) -> list[list[torch.Tensor]]:
         """Where a wipe of the window is seen (`gradaccum.misuse.GradWatch`): each
         optimizer's parameters (its ``zero_grad()`` clears them), and the model's in its
-        order (``model.zero_grad()``), as they are now."""
-        self.now()
+        order (``model.zero_grad()``), as of the last `now` (each boundary's: a group
+        added between windows is watched from the next window's boundary on)."""
         return self._watched
 
     def ordered(self) -> list[torch.Tensor]:

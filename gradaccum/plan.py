@@ -219,7 +219,8 @@ class EpochPlan:
     def close_window(self) -> None:
         """A window closed (applied or skipped): the next starts after its microbatches."""
         self.closed_at = self.position - self.pending
-        self._restored_window_ended()
+        if self.resume_at == 0:  # (_restored_window_ended, inline: once per window)
+            self.resume_at = None
 
     def _restored_window_ended(self) -> None:
         # A load at an epoch's start resumes only to carry its open window into the next
