@@ -3,6 +3,7 @@ trained microbatch, skipping at the index level against drawing and dropping.
 
     python benchmarks/skip.py
     python benchmarks/skip.py --samples 1000000 --batch 8 --position 124992
+    python benchmarks/skip.py --cost-only
 
 What is measured:
     An accumulator (``steps=4``) loads a state saved at microbatch ``--position`` of an
@@ -22,6 +23,13 @@ What is measured:
     report is the median time. Two cases by default: the issue's (batches of 8, resuming
     at microbatch 40 of 48: 320 samples trained already) and the last window of an epoch
     of a million samples.
+
+    Then the cost of the skip itself, per skipped batch: the time to the first trained
+    microbatch of the ``index`` resume at microbatch 125,000 of an epoch of 1,000,072
+    samples, less the same resume at microbatch 8 (the same loader, the same shuffled
+    order drawn), over the 124,992 batches more that it skips; the least of
+    ``--repeats`` pairs of runs (the least is what load on a shared machine cannot
+    inflate). ``--cost-only`` prints this alone.
 
 How to read it:
     ``index`` loads exactly the samples it trains on; ``draw`` loads ``position * batch``
@@ -111,14 +119,46 @@ def report(samples: int, batch: int, position: int, repeats: int) -> None:
     )
 
 
+def skip_cost(repeats: int, batches: int = 125_000, batch: int = 8) -> None:
+    """Microseconds per skipped batch of the index-level skip (see the module's docstring)."""
+    data = Counting((batches + STEPS * 2) * batch + 8)  # an epoch that goes on after it
+    near, far = STEPS * 2, batches
+    runs = [
+        (resume_first(data, batch, far), resume_first(data, batch, near)) for _ in range(repeats)
+    ]
+    extra = min(far_s for far_s, _ in runs) - min(near_s for _, near_s in runs)
+    print(
+        f"\nthe skip itself: resumed at microbatch {far} against {near} of {len(data)} "
+        f"samples in batches of {batch}: +{extra * 1e3:.1f} ms for {far - near} batches more, "
+        f"{extra / (far - near) * 1e6:.3f} us per skipped batch (least of {repeats})"
+    )
+
+
+def resume_first(data: Counting, batch: int, position: int) -> float:
+    """Seconds from the resumed epoch's start to its first trained microbatch (index)."""
+    model = torch.nn.Linear(16, 1)
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=STEPS)
+    acc.load_state_dict(dict(acc.state_dict(), position=position, global_step=position // STEPS))
+    loader = DataLoader(data, batch_size=batch, shuffle=True, generator=torch.Generator())
+    start = time.perf_counter()
+    next(iter(acc.epoch(loader)))
+    seconds = time.perf_counter() - start
+    acc.close()
+    return seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, help="one case of this many samples")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--position", type=int, help="the microbatch the resume starts at")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cost-only", action="store_true", help="only the skip's own cost")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.cost_only:
+        skip_cost(max(args.repeats, 7))
+        return
     if args.samples is not None:
         batches = args.samples // args.batch
         position = args.position if args.position is not None else batches - batches % STEPS - STEPS
@@ -126,6 +166,7 @@ def main() -> None:
         return
     report(48 * 8, 8, 40, args.repeats)  # the issue's case
     report(1_000_000, 8, 125_000 - STEPS * 2, args.repeats)  # the last two windows of a million
+    skip_cost(max(args.repeats, 7))
 
 
 if __name__ == "__main__":
