@@ -29,7 +29,8 @@ What is measured:
     samples, less the same resume at microbatch 8 (the same loader, the same shuffled
     order drawn), over the 124,992 batches more that it skips; the least of
     ``--repeats`` pairs of runs (the least is what load on a shared machine cannot
-    inflate). ``--cost-only`` prints this alone.
+    inflate), with ``shuffle=True`` (a RandomSampler) and with a DistributedSampler.
+    ``--cost-only`` prints this alone.
 
 How to read it:
     ``index`` loads exactly the samples it trains on; ``draw`` loads ``position * batch``
@@ -46,7 +47,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import gradaccum
 
@@ -120,26 +121,37 @@ def report(samples: int, batch: int, position: int, repeats: int) -> None:
 
 
 def skip_cost(repeats: int, batches: int = 125_000, batch: int = 8) -> None:
-    """Microseconds per skipped batch of the index-level skip (see the module's docstring)."""
+    """Microseconds per skipped batch of the index-level skip (see the module's docstring),
+    for a shuffled loader (a RandomSampler, whose indices come from a generator) and one with
+    a DistributedSampler (a list of indices)."""
     data = Counting((batches + STEPS * 2) * batch + 8)  # an epoch that goes on after it
     near, far = STEPS * 2, batches
-    runs = [
-        (resume_first(data, batch, far), resume_first(data, batch, near)) for _ in range(repeats)
-    ]
-    extra = min(far_s for far_s, _ in runs) - min(near_s for _, near_s in runs)
     print(
-        f"\nthe skip itself: resumed at microbatch {far} against {near} of {len(data)} "
-        f"samples in batches of {batch}: +{extra * 1e3:.1f} ms for {far - near} batches more, "
-        f"{extra / (far - near) * 1e6:.3f} us per skipped batch (least of {repeats})"
+        f"\nthe skip itself: resumed at microbatch {far} against {near} of {len(data)} samples "
+        f"in batches of {batch}, the least of {repeats}"
     )
+    for sampler in ("RandomSampler", "DistributedSampler"):
+        runs = [
+            (resume_first(data, batch, far, sampler), resume_first(data, batch, near, sampler))
+            for _ in range(repeats)
+        ]
+        extra = min(far_s for far_s, _ in runs) - min(near_s for _, near_s in runs)
+        print(
+            f"{sampler:>18}: +{extra * 1e3:.1f} ms for {far - near} batches more, "
+            f"{extra / (far - near) * 1e6:.3f} us per skipped batch"
+        )
 
 
-def resume_first(data: Counting, batch: int, position: int) -> float:
+def resume_first(data: Counting, batch: int, position: int, sampler: str) -> float:
     """Seconds from the resumed epoch's start to its first trained microbatch (index)."""
     model = torch.nn.Linear(16, 1)
     acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=STEPS)
     acc.load_state_dict(dict(acc.state_dict(), position=position, global_step=position // STEPS))
-    loader = DataLoader(data, batch_size=batch, shuffle=True, generator=torch.Generator())
+    if sampler == "RandomSampler":
+        loader = DataLoader(data, batch_size=batch, shuffle=True, generator=torch.Generator())
+    else:
+        order = DistributedSampler(data, num_replicas=1, rank=0)
+        loader = DataLoader(data, batch_size=batch, sampler=order)
     start = time.perf_counter()
     next(iter(acc.epoch(loader)))
     seconds = time.perf_counter() - start

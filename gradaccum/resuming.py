@@ -7,7 +7,8 @@ sampler's indices, or by drawing and dropping what was trained on already.
   its iterator reports how far into the epoch it stands (a DataLoader iterator's count of
   batches yielded), that must be the accumulator's position.
 - A ``torch.utils.data.DataLoader`` over a map-style dataset skips at the index level: its
-  batch sampler's first batches are drawn as indices and dropped, and the rest are loaded
+  batch sampler's first batches are drawn as indices and dropped (a ``BatchSampler``'s by
+  stepping over its sampler's indices, without building a batch), and the rest are loaded
   by a DataLoader with the same settings, so no skipped sample is loaded.
 - Any other iterable is drawn from and the microbatches trained on already are dropped.
 
@@ -23,7 +24,7 @@ import itertools
 from collections.abc import Iterable, Iterator, Sized
 from typing import Any, TypeVar
 
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from gradaccum.errors import ConfigError, warn
 
@@ -192,6 +193,9 @@ class _SkipBatches:
         self.skip = skip
 
     def __iter__(self) -> Iterator[list[int]]:
+        if type(self.batches) is BatchSampler:
+            return _batched_after(self.batches, self.skip)
+        # Another batch sampler's batches are opaque: each skipped one is built, then dropped.
         return itertools.islice(iter(self.batches), self.skip, None)
 
     def __len__(self) -> int:
@@ -199,6 +203,23 @@ class _SkipBatches:
             msg = f"the batch sampler {type(self.batches).__name__} has no len()"
             raise TypeError(msg)
         return max(0, len(self.batches) - self.skip)
+
+
+def _batched_after(batches: BatchSampler, skip: int) -> Iterator[list[int]]:
+    """What ``batches`` yields after its first ``skip`` batches, without building them: every
+    skipped batch is full (a short one can only be last), so they are the sampler's first
+    ``skip * batch_size`` indices, stepped over by ``islice`` at C speed (a list per skipped
+    batch cost about 0.3 us each); the rest is batched as `BatchSampler.__iter__` does. A
+    generator, so that, as with a BatchSampler, nothing is drawn from the sampler before the
+    first ``next()``: a DataLoader draws its workers' seed after ``iter()`` of its batch
+    sampler, and before its order."""
+    indices = iter(batches.sampler)
+    size = batches.batch_size
+    next(itertools.islice(indices, skip * size, skip * size), None)
+    if batches.drop_last:
+        yield from map(list, zip(*[indices] * size, strict=False))
+    else:
+        yield from iter(lambda: [*itertools.islice(indices, size)], [])
 
 
 def _drawn_and_dropped(iterator: Iterator[T], skip: int) -> Iterator[T]:

@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -368,6 +370,48 @@ class TestIndexLevelSkip:
         assert [batch["worker"] for batch in got] == [0, 1, 0, 1]
         assert all(batch["initialized"] for batch in got)
         assert all(torch.equal(a["x"], b["x"]) for a, b in zip(got, whole[8:], strict=True))
+
+    @settings(max_examples=300, deadline=None)
+    @given(
+        samples=st.integers(1, 40),
+        size=st.integers(1, 9),
+        drop_last=st.booleans(),
+        shuffle=st.booleans(),
+        data=st.data(),
+    )
+    def test_a_batch_sampler_is_skipped_by_its_indices(
+        self, samples: int, size: int, drop_last: bool, shuffle: bool, data: st.DataObject
+    ) -> None:
+        """Skipping the first ``skip`` batches of a BatchSampler yields exactly what it yields
+        after them, shuffled or not, with or without drop_last, whether its batch size
+        divides the samples or not, and past its end; its own iterator (a list per batch)
+        is never called: its sampler's indices are stepped over instead."""
+
+        def batches() -> BatchSampler:
+            order = torch.Generator().manual_seed(5)
+            sampler = RandomSampler(range(samples), generator=order) if shuffle else range(samples)
+            return BatchSampler(sampler, size, drop_last)
+
+        whole = list(batches())
+        skip = data.draw(st.integers(0, len(whole) + 2))
+        builds = BatchSampler.__iter__
+        try:
+            BatchSampler.__iter__ = None  # type: ignore[assignment,method-assign]
+            got = list(resuming._SkipBatches(batches(), skip))
+        finally:
+            BatchSampler.__iter__ = builds  # type: ignore[method-assign]
+        assert got == whole[skip:]
+        assert all(type(batch) is list for batch in got)
+
+    def test_another_batch_sampler_is_drawn_batch_by_batch(self) -> None:
+        """A batch sampler of another type (its batches may not be its sampler's indices in
+        runs of batch_size) keeps the batch-level skip: its own batches after the first."""
+
+        class Pairs(BatchSampler):
+            def __iter__(self) -> Iterator[list[int]]:
+                return iter([[index, index] for index in range(5)])
+
+        assert list(resuming._SkipBatches(Pairs(range(5), 3, False), 2)) == [[2, 2], [3, 3], [4, 4]]
 
     @pytest.mark.parametrize("kind", ["subclass", "iterable dataset", "no batch sampler"])
     def test_other_loaders_are_drawn_and_dropped(self, kind: str) -> None:
