@@ -72,6 +72,7 @@ MODES = ("plain", "clip", "items", "skip", "scaler")
 SETUPS = ("process", "ddp")
 LOOPS = ("hand", "floor", "gradaccum")
 TARGET = 1.02
+TENSORS_TARGET = 1.003  # the boundary at --tensors N: at most 0.3% over the hand loop
 MARKERS = r"""
 #include <valgrind/callgrind.h>
 void gradaccum_start(void) { CALLGRIND_START_INSTRUMENTATION; CALLGRIND_TOGGLE_COLLECT; }
@@ -170,22 +171,28 @@ def floor_block(floor: Any, mode: str, batches: list[Any]) -> None:
     model = floor.model
     for x, y in batches:
         if mode == "items":
-            with floor.microstep((model(x) - y).square().sum(), len(x)):
+            loss = (model(x) - y).square().sum()
+            with floor.microstep(loss, len(x)):
                 pass
         else:
-            with floor.microstep((model(x) - y).square().mean()):
+            loss = (model(x) - y).square().mean()
+            with floor.microstep(loss):
                 pass
 
 
 def gradaccum_block(acc: Any, mode: str, batches: list[Any]) -> None:
+    # As in the hand loop, ``loss`` holds the microstep's graph until the next forward has
+    # built its own: the parameters' gradient accumulators are reused, not rebuilt.
     model = acc.model
     if mode == "items":
         for x, y in acc.epoch(batches):
-            with acc.microstep((model(x) - y).square().sum(), num_items=len(x)):
+            loss = (model(x) - y).square().sum()
+            with acc.microstep(loss, num_items=len(x)):
                 pass
     else:
         for x, y in acc.epoch(batches):
-            with acc.microstep((model(x) - y).square().mean()):
+            loss = (model(x) - y).square().mean()
+            with acc.microstep(loss):
                 pass
 
 
@@ -304,13 +311,18 @@ def main() -> None:
             f"(1 with --tensors), {BATCH} rows"
         )
         header = f"{'setup':8} {'width':>5} {'mode':7} {'hand':>10} {'floor':>10} {'gradaccum':>10}"
-        print(f"{header} {'floor/hand':>10} {'ratio':>6}")
-        cells = [
-            (setup, width, mode)
-            for setup in args.setup
-            for width in args.width
-            for mode in args.mode
-        ]
+        print(f"{header} {'floor/hand':>10} {'ratio':>7}")
+        cells = (
+            [("tensors", args.tensors, "plain")]
+            if args.tensors
+            else [
+                (setup, width, mode)
+                for setup in args.setup
+                for width in args.width
+                for mode in args.mode
+            ]
+        )
+        target = TENSORS_TARGET if args.tensors else TARGET
         with ThreadPoolExecutor(args.jobs) as pool:  # each count is its own process
             counts = {
                 (cell, loop): pool.submit(count, loop, *cell[1:], cell[0], args.microsteps, library)
@@ -325,11 +337,11 @@ def main() -> None:
                 print(
                     f"{setup:8} {width:>5} {mode:7} {got['hand']:>10,.0f} "
                     f"{got['floor']:>10,.0f} {got['gradaccum']:>10,.0f} "
-                    f"{got['floor'] / got['hand']:>10.3f} {ratio:>6.3f}",
+                    f"{got['floor'] / got['hand']:>10.3f} {ratio:>7.4f}",
                     flush=True,
                 )
     worst = max(row["ratio"] for row in rows)
-    print(f"worst ratio {worst:.3f} (target {TARGET}); every cell at or under: {worst <= TARGET}")
+    print(f"worst ratio {worst:.4f} (target {target}); every cell at or under: {worst <= target}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2), encoding="utf-8")
 

@@ -306,7 +306,10 @@ class Accumulator:
             usable = False
         if not usable:
             checks.refuse_loss(loss)
-        if num_items is not None or self._window.by_items:
+        window = self._window
+        if (num_items is not None or window.by_items) and not (
+            type(num_items) is int and num_items >= 0 and (window.by_items or not window.done)
+        ):  # (an int count in an item window needs no more)
             self._check_items(num_items)
         started.loss, started.num_items, started.busy = loss, num_items, True
         return started
