@@ -324,9 +324,9 @@ class Rescale:
         ranks = ranks_text(order.world_size)
         if saved.same_samples(here):
             why = (
-                "the same samples, weighed otherwise in mean mode: the last window holds the "
-                "epoch's last, shorter microbatches; this resume is exact with num_items, or "
-                "with the DataLoader's drop_last=True"
+                "the same samples, weighed otherwise in mean mode: a last window that holds "
+                "the epoch's last, shorter microbatches weighs their samples more (this "
+                "resume would be exact with num_items)"
             )
         elif self.order.samples != order.samples:
             why = (

@@ -116,6 +116,8 @@ class EpochPlan:
                 "it, or call its close() before starting the next"
             )
             raise UsageError(msg)
+        if self.rescale is not None:
+            self.rescale.check(order, steps, self.drop_last, restores_itself=restores_itself)
         resume = self.resume_at
         skip = resume or 0
         if length is not None:
