@@ -266,12 +266,13 @@ def _order_dict(order: GlobalOrder) -> OrderDict:
 
 
 def _parse_order(
-    saved: object, position: object, world_size: int | None
+    saved: object, trained_at: object, world_size: int | None, position: int
 ) -> tuple[GlobalOrder | None, int | None]:
-    """``state['global_order']`` and ``state['global_position']``."""
+    """``state['global_order']`` and ``state['global_position']``, which must be where
+    ``position`` stands in it."""
     if saved is None:
-        if position is not None:
-            msg = f"state['global_position'] is {describe(position)}, without a global_order"
+        if trained_at is not None:
+            msg = f"state['global_position'] is {describe(trained_at)}, without a global_order"
             raise ConfigError(msg)
         return None, None
     fields = saved if isinstance(saved, Mapping) else {}
@@ -287,11 +288,12 @@ def _parse_order(
             f"world_size), got {describe(saved)}"
         )
         raise ConfigError(msg) from None
-    trained = check_count(position, "state['global_position']")
-    if trained > order.samples:
+    trained = check_count(trained_at, "state['global_position']")
+    if trained != order.trained_after(position):
         msg = (
-            f"state['global_position'] is {trained}, past the {order.samples} samples of "
-            "state['global_order']"
+            f"state['global_position'] is {trained}, but {position} microbatches of "
+            f"{order.world_size} x {order.batch_size} samples into an epoch of {order.samples} "
+            f"(state['position'], state['global_order']) are {order.trained_after(position)}"
         )
         raise ConfigError(msg)
     return order, trained
@@ -346,7 +348,7 @@ def parse(state: object, is_tensor: Callable[[object], bool]) -> Checkpoint:
     order, trained, by_items = None, None, None
     if version >= 6:
         order, trained = _parse_order(
-            state.get("global_order"), state.get("global_position"), world_size
+            state.get("global_order"), state.get("global_position"), world_size, position
         )
         by_items = state.get("by_items")
         if by_items is not None:

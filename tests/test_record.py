@@ -76,7 +76,7 @@ def checkpoints(draw: st.DrawFn) -> Checkpoint:
     global_step, position = draw(counts), draw(counts)
     world_size = draw(st.none() | st.integers(min_value=1, max_value=4096))
     order = None if world_size is None else draw(st.none() | orders(world_size))
-    trained = None if order is None else draw(st.integers(0, order.samples))
+    trained = None if order is None else order.trained_after(position)
     return Checkpoint(
         steps=draw(st.integers(min_value=1, max_value=1024)),
         position=position,
@@ -282,9 +282,10 @@ class TestParseVersions:
             (
                 {
                     "global_order": {"data": "c", "epoch": 0, "samples": 8, "batch_size": 4},
-                    "global_position": 9,
+                    "global_position": 4,
                 },
-                "state['global_position'] is 9, past the 8 samples of state['global_order']",
+                "state['global_position'] is 4, but 8 microbatches of 2 x 4 samples into an "
+                "epoch of 8 (state['position'], state['global_order']) are 8",
             ),
             ({"by_items": 1}, "state['by_items'] must be a bool, got 1 (int)"),
         ],
