@@ -14,8 +14,9 @@ position in an epoch of another length when that epoch begins, unless the load o
 another world size. For that, ``global_order`` is the order of the samples that the epoch
 ``position`` lies in walks over all the ranks (or of the last epoch run, between epochs:
 what the next epoch is compared with), where the loader lets the accumulator know it
-(`gradaccum.order`), and ``global_position`` the samples of it trained (both None where it
-is not known); ``by_items`` is whether the last window closed passed ``num_items``.
+(`gradaccum.order`), and ``global_position`` the samples of it trained (where it is not
+known: ``global_order``'s fields and ``global_position`` are None);
+``by_items`` is whether the last window closed passed ``num_items``.
 
 Versions 1 to 5 load the same way, with nothing recorded to check (no ``world_size`` or
 ``epoch_length`` before 5, no ``global_order`` before 6, so that a state saved mid-epoch
@@ -50,12 +51,15 @@ VERSION = 6
 
 
 class OrderDict(TypedDict):
-    """A `GlobalOrder` as saved (its ``world_size`` is the state's)."""
+    """A `GlobalOrder` as saved (its ``world_size`` is the state's), or every field None
+    where the order is not known: the same keys either way, as
+    ``torch.distributed.checkpoint`` needs (it loads into the keys of a fresh accumulator's
+    state)."""
 
-    data: str
+    data: str | None
     epoch: int | None
-    samples: int
-    batch_size: int
+    samples: int | None
+    batch_size: int | None
 
 
 class WindowDict(TypedDict):
@@ -72,7 +76,8 @@ class WindowDict(TypedDict):
 
 class StateDict(TypedDict):
     """What `Accumulator.state_dict` returns (``world_size``, ``epoch_length``,
-    ``global_order``, ``global_position`` and ``by_items``: None where not recorded)."""
+    ``global_position`` and ``by_items``: None where not recorded, and the fields of
+    ``global_order``)."""
 
     version: int
     steps: int
@@ -84,7 +89,7 @@ class StateDict(TypedDict):
     sync: str
     world_size: int | None
     epoch_length: int | None
-    global_order: OrderDict | None
+    global_order: OrderDict
     global_position: int | None
     by_items: bool | None
     window: NotRequired[WindowDict]
@@ -150,7 +155,7 @@ class Checkpoint:
             sync=self.sync,
             world_size=self.world_size,
             epoch_length=self.epoch_length,
-            global_order=None if self.order is None else _order_dict(self.order),
+            global_order=_order_dict(self.order),
             global_position=self.global_position,
             by_items=self.by_items,
         )
@@ -259,10 +264,15 @@ class Checkpoint:
         return rescale
 
 
-def _order_dict(order: GlobalOrder) -> OrderDict:
+def _order_dict(order: GlobalOrder | None) -> OrderDict:
+    if order is None:
+        return OrderDict(data=None, epoch=None, samples=None, batch_size=None)
     return OrderDict(
         data=order.data, epoch=order.epoch, samples=order.samples, batch_size=order.batch_size
     )
+
+
+_UNKNOWN = _order_dict(None)
 
 
 def _parse_order(
@@ -270,7 +280,7 @@ def _parse_order(
 ) -> tuple[GlobalOrder | None, int | None]:
     """``state['global_order']`` and ``state['global_position']``, which must be where
     ``position`` stands in it."""
-    if saved is None:
+    if saved is None or saved == _UNKNOWN:
         if trained_at is not None:
             msg = f"state['global_position'] is {describe(trained_at)}, without a global_order"
             raise ConfigError(msg)

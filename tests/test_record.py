@@ -168,6 +168,18 @@ class TestCheckpointToDict:
         }
         assert VERSION == 6
 
+    def test_an_unknown_order_saves_the_same_keys(self) -> None:
+        """Where the order is not known its fields are None under the same keys, so that
+        torch.distributed.checkpoint, which loads into the keys of a fresh accumulator's
+        state (no order known yet), finds every key it saved; both read back."""
+        unknown = Checkpoint(4, 0, 2, 1, True, "auto").to_dict()
+        known = Checkpoint(
+            4, 0, 2, 1, True, "auto", None, 0, 2, None, GlobalOrder("c", 0, 8, 2, 2), 0
+        ).to_dict()
+        assert unknown["global_order"] == dict.fromkeys(known["global_order"])
+        assert parse(unknown, is_tensor).order is None
+        assert parse(known, is_tensor).order == GlobalOrder("c", 0, 8, 2, 2)
+
     def test_the_saved_window(self) -> None:
         """A saved window is a plain dict of its fields, in new lists: changing the saved
         form does not change the checkpoint."""

@@ -89,7 +89,8 @@ def test_state_holds_steps_position_global_step_and_policy() -> None:
         "sync": "auto",
         "world_size": 1,
         "epoch_length": 13,
-        "global_order": None,  # a list of batches: no global order known
+        # a list of batches: no global order known
+        "global_order": {"data": None, "epoch": None, "samples": None, "batch_size": None},
         "global_position": None,
         "by_items": False,
     }
