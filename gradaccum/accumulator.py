@@ -410,8 +410,11 @@ class Accumulator:
                 position lies in an epoch of another length or past its end, an iterable
                 that restores its own position stands elsewhere in its epoch, or, in the
                 first epoch after a load, a ``DataLoader`` with persistent workers draws
-                its order from the generator of its workers' seed; raised by the first
-                ``next()``, before anything is drawn.
+                its order from the generator of its workers' seed, or a state loaded from
+                another number of ranks would not be continued exactly (another or an
+                unknown global order, batch size, or windows cut otherwise at the epoch's
+                end: see `load_state_dict`); raised by the first ``next()``, before
+                anything is drawn.
             UsageError: The accumulator is closed, or another of its epochs is still
                 being iterated (raised by the first ``next()``).
         """

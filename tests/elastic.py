@@ -3,12 +3,13 @@ module the ranks can import).
 
 Every case trains two epochs with a global batch of 16 samples: microbatches of 2 samples
 on each rank, ``steps = gradaccum.steps_for(16, 2, world)``. Its data is a
-DistributedSampler (``shuffle=True``, ``set_epoch`` at every epoch) over a dataset whose
-size makes the sampler pad or cut (``CONFIGS``). The uninterrupted run records the float64
-parameters and learning rate after every window, and saves a checkpoint after its second
-window (mid-epoch): the model and optimizer through ``torch.distributed.checkpoint``
-(which reshards them), the scheduler and the accumulator as files. A resumed run loads it
-on another number of ranks and records the same after each of its windows.
+DistributedSampler (``set_epoch`` at every epoch; shuffled but in one case) over a
+dataset whose size makes the sampler pad or cut (``CONFIGS``). The uninterrupted run
+records the float64 parameters and learning rate after every window, and saves a
+checkpoint after its second window (mid-epoch): the model and optimizer through
+``torch.distributed.checkpoint`` (which reshards them), the scheduler and the accumulator
+as a file. A resumed run loads it on another number of ranks and records the same after
+each of its windows.
 """
 
 from __future__ import annotations
@@ -32,21 +33,23 @@ BATCH = 2  # samples per rank and microbatch
 EPOCHS = 2
 CHECKPOINT_AT = 2  # the global step after which the uninterrupted run saves (mid-epoch)
 
-# name: (samples, the sampler's drop_last, the loader's drop_last, the accumulator's)
+# name: (samples, shuffle, the sampler's drop_last, the loader's drop_last, the accumulator's)
 CONFIGS = {
     # 50 samples: on 4 ranks the sampler pads to 52 (or cuts to 48) and the loader's last
     # microbatch is shorter; the 3 windows of 16 an epoch trains are the same samples.
-    "padded": (50, False, False, True),
-    "cut": (50, True, True, True),
+    "padded": (50, True, False, False, True),
+    "cut": (50, True, True, True, True),
     # The same with the trailing partial window trained: on 4 ranks it holds samples 48 to
     # 51 (two of them padding), on 1 or 2 ranks 48 and 49 (refused between 4 and 2).
-    "padded, partial": (50, False, False, False),
+    "padded, partial": (50, True, False, False, False),
     # 52 samples with the trailing partial window trained: samples 48 to 51 on any number.
-    "partial": (52, False, False, False),
+    "partial": (52, True, False, False, False),
+    # The same in the dataset's order, every epoch alike (no set_epoch needed).
+    "unshuffled": (52, False, False, False, False),
     # 44 samples, partial window trained: on 4 ranks the last window holds the last,
     # shorter microbatches, on 1 or 2 ranks it is 3 whole ones: the same samples, weighed
     # otherwise in mean mode (refused between 4 and 2 ranks), alike with num_items.
-    "short": (44, False, False, False),
+    "short": (44, True, False, False, False),
 }
 WRAPPERS = ("ddp", "fully_shard")
 MODES = ("mean", "items")
@@ -80,7 +83,7 @@ class Run:
         from tests.distributed import wrap
 
         self.case = case
-        n, sampler_drop_last, loader_drop_last, drop_last = CONFIGS[case.config]
+        n, shuffle, sampler_drop_last, loader_drop_last, drop_last = CONFIGS[case.config]
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 1)).double()
         self.model = wrap(case.wrapper, model)
@@ -95,7 +98,7 @@ class Run:
         )
         data = dataset(n)
         self.sampler = DistributedSampler(
-            data, world, rank, shuffle=True, seed=3, drop_last=sampler_drop_last
+            data, world, rank, shuffle=shuffle, seed=3, drop_last=sampler_drop_last
         )
         self.loader = DataLoader(
             data, batch_size=BATCH, sampler=self.sampler, drop_last=loader_drop_last

@@ -1,7 +1,7 @@
 """Elastic resume on real gloo ranks: a run checkpointed mid-epoch on one number of ranks
 and resumed on another with the global batch kept (2 -> 1, 1 -> 2, 4 -> 2, 2 -> 4), under
 DDP and ``fully_shard`` (model and optimizer through torch.distributed.checkpoint), in mean
-and ``num_items`` mode, with a shuffled DistributedSampler that pads or cuts: after every
+and ``num_items`` mode, with a DistributedSampler (shuffled, and not) that pads or cuts: after every
 window of two epochs its float64 parameters are the uninterrupted run's within 1e-12, and
 its learning rate is the same; what cannot be continued exactly is refused, naming the
 numbers. On the same number of ranks the resume stays bit for bit. Four launches in all
@@ -75,6 +75,8 @@ def test_resumed_on_another_number_of_ranks_within_1e_12(
         for step, (params, lr) in seen.items():
             want, want_lr = expected[step]
             assert lr == want_lr, (case, step)
+            moved = (want[0] - expected[step - 1][0][0]).abs().max().item()
+            assert moved > 1e-5, (case, step)  # every window moves them: 1e-12 is tight
             for got, wanted in zip(params, want, strict=True):
                 assert got.dtype == torch.float64
                 difference = (got - wanted).abs().max().item()
