@@ -11,8 +11,15 @@ from gradaccum.errors import (
     RankFailedError,
     UsageError,
 )
+from gradaccum.order import GlobalOrder
 from gradaccum.rng import random_state, set_random_state
-from gradaccum.schedule import interval, steps_at_epoch, steps_per_epoch, total_steps
+from gradaccum.schedule import (
+    interval,
+    steps_at_epoch,
+    steps_for,
+    steps_per_epoch,
+    total_steps,
+)
 from gradaccum.sync import SyncPolicy, SyncStrategy, no_sync, register_sync_strategy
 
 __version__ = "0.1.0"
@@ -21,6 +28,7 @@ __all__ = [
     "Accumulator",
     "ConfigError",
     "ConfigTypeError",
+    "GlobalOrder",
     "GradaccumError",
     "GradaccumWarning",
     "NonFiniteError",
@@ -37,6 +45,7 @@ __all__ = [
     "register_sync_strategy",
     "set_random_state",
     "steps_at_epoch",
+    "steps_for",
     "steps_per_epoch",
     "total_steps",
 ]

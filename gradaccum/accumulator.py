@@ -350,7 +350,7 @@ class Accumulator:
         """Count the window that closed (applied or skipped) and start the next."""
         self._skipped += skipped
         self._global_step += 1
-        self._plan.close_window()
+        self._plan.close_window(self._window.by_items)
         self._clear_window()
 
     def _clear_window(self) -> None:
@@ -413,8 +413,11 @@ class Accumulator:
                 position lies in an epoch of another length or past its end, an iterable
                 that restores its own position stands elsewhere in its epoch, or, in the
                 first epoch after a load, a ``DataLoader`` with persistent workers draws
-                its order from the generator of its workers' seed; raised by the first
-                ``next()``, before anything is drawn.
+                its order from the generator of its workers' seed, or a state loaded from
+                another number of ranks would not be continued exactly (another or an
+                unknown global order, batch size, or windows cut otherwise at the epoch's
+                end: see `load_state_dict`); raised by the first ``next()``, before
+                anything is drawn.
             UsageError: The accumulator is closed, or another of its epochs is still
                 being iterated (raised by the first ``next()``).
         """
@@ -456,7 +459,11 @@ class Accumulator:
         return checkpoint.save(self, include_grads)
 
     def load_state_dict(
-        self, state: Mapping[str, Any], *, allow_steps_change: bool = False
+        self,
+        state: Mapping[str, Any],
+        *,
+        allow_steps_change: bool = False,
+        allow_world_size_change: bool = False,
     ) -> None:
         """Resume from `state_dict`: restores ``global_step``, ``epochs_completed`` and
         where the epoch was.
@@ -470,21 +477,38 @@ class Accumulator:
         next epoch begins (a state saved between epochs resumes no position, and the next
         epoch may have any length).
 
+        With ``allow_world_size_change``, a state saved on ``W`` ranks with ``steps`` loads
+        on ``W'`` ranks where this accumulator's ``steps`` keeps the global window
+        (``W' * steps' == W * steps``: `gradaccum.steps_for`), and the next epoch resumes at
+        the same sample of the epoch's global order, every later window covering the
+        samples it covered in the run on ``W`` ranks (equal up to the order of summation).
+        That needs the order: a ``DataLoader`` over a ``DistributedSampler`` (with
+        ``set_epoch``), or an iterable with a ``global_order()`` method returning a
+        `gradaccum.GlobalOrder`. What cannot be continued exactly is refused: here, a
+        state saved mid-window or mid-epoch without a known order, or whose position falls
+        inside a microbatch of these ranks; when the next epoch begins, another order or
+        batch size, or windows that the epoch's end cuts otherwise (the sampler pads or
+        cuts the order to a multiple of the ranks).
+
         Args:
             state: From `state_dict`.
             allow_steps_change: Load a state saved with another ``steps`` and keep this
                 accumulator's from the next window on; only between windows (no saved
                 ``window``).
+            allow_world_size_change: Load a state saved on another number of data-parallel
+                ranks, keeping the global batch (see above).
 
         Raises:
-            ConfigTypeError: ``state`` is not such a mapping.
-            ConfigError: ``state`` was saved on another number of data-parallel ranks,
-                with another ``drop_last``, with another ``steps`` (unless allowed,
-                between windows), or its window does not fit this optimizer's parameters.
+            ConfigTypeError: ``state`` is not such a mapping, or an ``allow_`` argument is
+                not a bool.
+            ConfigError: ``state`` was saved on another number of data-parallel ranks
+                (unless allowed, where it can be continued exactly), with another
+                ``drop_last``, with another ``steps`` (unless allowed, between windows), or
+                its window does not fit this optimizer's parameters.
             UsageError: The accumulator is closed, a window is open in it, or one of its
                 epochs is being iterated.
         """
-        checkpoint.load(self, state, allow_steps_change)
+        checkpoint.load(self, state, allow_steps_change, allow_world_size_change)
 
     # Lifetime ---------------------------------------------------------------------
 

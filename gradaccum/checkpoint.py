@@ -46,6 +46,7 @@ def save(acc: Accumulator, include_grads: bool) -> dict[str, Any]:
             losses=list(window.losses),
             grads=[_grad_copy(param) for param in acc._params.now()],
         )
+    order = plan.order
     return dict(
         record.Checkpoint(
             steps=acc._steps,
@@ -58,20 +59,31 @@ def save(acc: Accumulator, include_grads: bool) -> dict[str, Any]:
             epochs_completed=plan.epochs_completed,
             world_size=acc._ranks.count,
             epoch_length=plan.checkpoint_length(position),
+            order=order,
+            global_position=None if order is None else order.trained_after(position),
+            by_items=plan.by_items,
         ).to_dict()
     )
 
 
-def load(acc: Accumulator, state: Mapping[str, Any], allow_steps_change: bool) -> None:
+def load(
+    acc: Accumulator,
+    state: Mapping[str, Any],
+    allow_steps_change: bool,
+    allow_world_size_change: bool,
+) -> None:
     """What `Accumulator.load_state_dict` does: refuse what does not fit, then restore."""
     acc._life.check("load_state_dict()")
     check_bool(allow_steps_change, "allow_steps_change")
+    check_bool(allow_world_size_change, "allow_world_size_change")
     saved = record.parse(state, lambda value: isinstance(value, torch.Tensor))
-    saved.check_fits(
-        world_size=acc._ranks.count,
+    world_size = acc._ranks.count
+    rescale = saved.check_fits(
+        world_size=world_size,
         steps=acc._steps,
         drop_last=acc._options.drop_last,
         allow_steps_change=allow_steps_change,
+        allow_world_size_change=allow_world_size_change,
     )
     if acc._window.is_open or acc._plan.active:
         msg = (
@@ -86,9 +98,23 @@ def load(acc: Accumulator, state: Mapping[str, Any], allow_steps_change: bool) -
     acc._skipped = saved.skipped_steps
     acc._stepper.reread_schedulers()
     done = 0 if saved.window is None else saved.window.microsteps
-    acc._plan.load(
-        saved.position, done, epochs_completed=saved.epochs_completed, length=saved.epoch_length
-    )
+    if rescale is None:
+        acc._plan.load(
+            saved.position,
+            done,
+            epochs_completed=saved.epochs_completed,
+            length=saved.epoch_length,
+            order=saved.order,
+            by_items=saved.by_items,
+        )
+    else:  # the position in these ranks' microbatches; their epoch's length is checked then
+        acc._plan.load(
+            rescale.skip(world_size),
+            0,
+            epochs_completed=saved.epochs_completed,
+            by_items=saved.by_items,
+            rescale=rescale,
+        )
     acc._clear_window()
     if saved.window is not None:
         for param, grad in zip(params, saved.window.grads, strict=True):

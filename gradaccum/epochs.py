@@ -41,7 +41,8 @@ def run(acc: Accumulator, iterable: Iterable[T]) -> Iterator[T]:
             "rank trains on the first {least}",
         )
     restores_itself = resuming.restores_own_position(iterable)
-    resume = plan.begin(n, acc._steps, restores_itself=restores_itself)
+    order = resuming.global_order(iterable, n, ranks.count)
+    resume = plan.begin(n, acc._steps, restores_itself=restores_itself, order=order)
     started_at = acc._global_step
     completed = False
     try:

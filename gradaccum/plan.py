@@ -10,6 +10,7 @@ hand-out.
 from __future__ import annotations
 
 from gradaccum.errors import ConfigError, UsageError
+from gradaccum.order import GlobalOrder, Rescale
 from gradaccum.schedule import trained_microbatches
 
 __all__ = ["EpochPlan", "check_epoch_length"]
@@ -43,19 +44,29 @@ class EpochPlan:
         resumes_run: The next epoch is the first of a run resumed past its start (set by a
             load; kept, like ``resume_at``, by an epoch that stopped before its first
             hand-out).
+        order: The global order of the current epoch's samples over the ranks (between
+            epochs: of the last epoch run; after a load on the saved world size, the
+            saved one), or None where it is not known.
+        by_items: The last window closed passed ``num_items``; None: none closed yet.
+        rescale: A state saved on another number of ranks was loaded: what the next epoch
+            is checked against before it resumes (kept, like ``resume_at``, until its first
+            hand-out).
     """
 
     __slots__ = (
         "active",
+        "by_items",
         "closed_at",
         "cut_at",
         "drawn",
         "drop_last",
         "epochs_completed",
         "length",
+        "order",
         "pending",
         "position",
         "remaining",
+        "rescale",
         "resume_at",
         "resumes_run",
         "trained_end",
@@ -73,17 +84,30 @@ class EpochPlan:
         self.drawn: int | None = None
         self.epochs_completed = 0
         self.resumes_run = False
+        self.order: GlobalOrder | None = None
+        self.by_items: bool | None = None
+        self.rescale: Rescale | None = None
 
-    def begin(self, length: int | None, steps: int, *, restores_itself: bool = False) -> int | None:
+    def begin(
+        self,
+        length: int | None,
+        steps: int,
+        *,
+        restores_itself: bool = False,
+        order: GlobalOrder | None = None,
+    ) -> int | None:
         """Start an epoch of ``length`` microbatches (None: unknown); return the loaded
         position it resumes at (the microbatches to skip), or None for a fresh epoch.
         With ``restores_itself`` the iterable resumes there by itself: the microbatches
-        drawn from it are counted from there.
+        drawn from it are counted from there. ``order`` is the epoch's global order, when
+        known.
 
         Raises:
             UsageError: Another epoch of this accumulator is being iterated.
-            ConfigError: The epoch gives no optimizer step, or a loaded position lies in an
-                epoch of another length (when saved) or past this one's end.
+            ConfigError: The epoch gives no optimizer step, a loaded position lies in an
+                epoch of another length (when saved) or past this one's end, or a state
+                loaded from another number of ranks would not continue exactly
+                (`Rescale.check`).
         """
         if self.active:
             msg = (
@@ -92,6 +116,8 @@ class EpochPlan:
                 "it, or call its close() before starting the next"
             )
             raise UsageError(msg)
+        if self.rescale is not None:
+            self.rescale.check(order, steps, self.drop_last, restores_itself=restores_itself)
         resume = self.resume_at
         skip = resume or 0
         if length is not None:
@@ -113,6 +139,7 @@ class EpochPlan:
                 )
                 raise ConfigError(msg)
         self.length = length
+        self.order = order
         self.position = skip
         if resume is None:
             self.closed_at = 0
@@ -157,7 +184,7 @@ class EpochPlan:
         """One more microbatch reaches the user, ``done`` microsteps into its window, and
         ``remaining`` follow it, when known; return the size of its window."""
         # The resume is under way (until then a new begin() resumes).
-        self.resume_at, self.resumes_run = None, False
+        self.resume_at, self.resumes_run, self.rescale = None, False, None
         self.position += 1
         self.pending = True
         self.remaining = remaining
@@ -216,9 +243,11 @@ class EpochPlan:
         resumes a position (between epochs the next epoch is a fresh one, of any length)."""
         return self.length if position else None
 
-    def close_window(self) -> None:
-        """A window closed (applied or skipped): the next starts after its microbatches."""
+    def close_window(self, by_items: bool) -> None:
+        """A window closed (applied or skipped; ``by_items``: it passed ``num_items``): the
+        next starts after its microbatches."""
         self.closed_at = self.position - self.pending
+        self.by_items = by_items
         if self.resume_at == 0:  # (_restored_window_ended, inline: once per window)
             self.resume_at = None
 
@@ -235,13 +264,19 @@ class EpochPlan:
         *,
         epochs_completed: int = 0,
         length: int | None = None,
+        order: GlobalOrder | None = None,
+        by_items: bool | None = None,
+        rescale: Rescale | None = None,
     ) -> None:
         """Resume at ``position`` of an epoch of ``length`` microbatches (None: not known),
         ``window_done`` microsteps into a window, after ``epochs_completed`` epochs: the next
         epoch skips that many microbatches, and must have that length (a state at an
         epoch's start without an open window resumes nothing: the next epoch is a fresh
-        one, of any length)."""
+        one, of any length). ``order`` and ``by_items`` are as saved; ``rescale``: the state
+        was saved on another number of ranks (``position`` counts these ranks'
+        microbatches)."""
         self.epochs_completed = epochs_completed
+        self.order, self.by_items, self.rescale = order, by_items, rescale
         self.resumes_run = bool(position or epochs_completed)
         self.length = length
         self.drawn = None

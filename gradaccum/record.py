@@ -1,7 +1,7 @@
 """The checkpoint record: the saved format of `Accumulator.state_dict`, its versions, and
 its parsing, validated whole before anything is loaded (no torch: tensors are opaque).
 
-Version 5 (this one): ``position`` is where the next window starts, or with a ``window``
+Version 6 (this one): ``position`` is where the next window starts, or with a ``window``
 the microbatches its saved gradient holds; a microbatch handed out but not yet
 back-propagated is not counted, so the resumed epoch hands it out again. The rest of the
 epoch is cut into windows from ``position`` with the saved ``steps``, which is what the
@@ -10,11 +10,18 @@ to their end, so the loop knows which epoch it resumes. ``world_size`` is the nu
 data-parallel ranks the state was saved on, and ``epoch_length`` the length (microbatches
 per rank) of the sized epoch that ``position`` lies in (None between epochs and for an
 iterable without ``len``): a resume on another world size is refused when loading, and a
-position in an epoch of another length when that epoch begins.
+position in an epoch of another length when that epoch begins, unless the load opts in to
+another world size. For that, ``global_order`` is the order of the samples that the epoch
+``position`` lies in walks over all the ranks (or of the last epoch run, between epochs:
+what the next epoch is compared with), where the loader lets the accumulator know it
+(`gradaccum.order`), and ``global_position`` the samples of it trained (where it is not
+known: ``global_order``'s fields and ``global_position`` are None);
+``by_items`` is whether the last window closed passed ``num_items``.
 
-Versions 1 to 4 load the same way, with nothing recorded to check (no ``world_size`` or
-``epoch_length`` before 5) and no epoch completed (no ``epochs_completed`` before 4, no
-``skipped_steps`` in 1).
+Versions 1 to 5 load the same way, with nothing recorded to check (no ``world_size`` or
+``epoch_length`` before 5, no ``global_order`` before 6, so that a state saved mid-epoch
+resumes on its own world size only) and no epoch completed (no ``epochs_completed`` before
+4, no ``skipped_steps`` in 1).
 """
 
 from __future__ import annotations
@@ -26,12 +33,33 @@ from typing import Any, TypedDict, cast
 
 from typing_extensions import NotRequired
 
-from gradaccum.errors import ConfigError, ConfigTypeError, describe
-from gradaccum.schedule import check_bool, check_count, check_positive, check_steps
+from gradaccum.errors import ConfigError, ConfigTypeError, GradaccumError, describe
+from gradaccum.order import GlobalOrder, Rescale, ranks_text
+from gradaccum.schedule import check_bool, check_count, check_positive, check_steps, kept_on
 
-__all__ = ["VERSION", "Checkpoint", "SavedWindow", "StateDict", "WindowDict", "parse"]
+__all__ = [
+    "VERSION",
+    "Checkpoint",
+    "OrderDict",
+    "SavedWindow",
+    "StateDict",
+    "WindowDict",
+    "parse",
+]
 
-VERSION = 5
+VERSION = 6
+
+
+class OrderDict(TypedDict):
+    """A `GlobalOrder` as saved (its ``world_size`` is the state's), or every field None
+    where the order is not known: the same keys either way, as
+    ``torch.distributed.checkpoint`` needs (it loads into the keys of a fresh accumulator's
+    state)."""
+
+    data: str | None
+    epoch: int | None
+    samples: int | None
+    batch_size: int | None
 
 
 class WindowDict(TypedDict):
@@ -47,8 +75,9 @@ class WindowDict(TypedDict):
 
 
 class StateDict(TypedDict):
-    """What `Accumulator.state_dict` returns (``world_size`` and ``epoch_length``: None
-    where not recorded)."""
+    """What `Accumulator.state_dict` returns (``world_size``, ``epoch_length``,
+    ``global_position`` and ``by_items``: None where not recorded, and the fields of
+    ``global_order``)."""
 
     version: int
     steps: int
@@ -60,6 +89,9 @@ class StateDict(TypedDict):
     sync: str
     world_size: int | None
     epoch_length: int | None
+    global_order: OrderDict
+    global_position: int | None
+    by_items: bool | None
     window: NotRequired[WindowDict]
 
 
@@ -90,6 +122,11 @@ class Checkpoint:
             version 5), so not checked.
         epoch_length: The length of the sized epoch that ``position`` lies in; None: no
             position to resume, an epoch without ``len``, or not recorded.
+        order: The global order of the epoch ``position`` lies in (between epochs: of the
+            last epoch run); None: not known, or not recorded (before version 6).
+        global_position: The samples of ``order`` trained; None with no ``order``.
+        by_items: The last window closed passed ``num_items``; None: no window closed, or
+            not recorded.
     """
 
     steps: int
@@ -102,6 +139,9 @@ class Checkpoint:
     epochs_completed: int = 0
     world_size: int | None = None
     epoch_length: int | None = None
+    order: GlobalOrder | None = None
+    global_position: int | None = None
+    by_items: bool | None = None
 
     def to_dict(self) -> StateDict:
         state = StateDict(
@@ -115,21 +155,35 @@ class Checkpoint:
             sync=self.sync,
             world_size=self.world_size,
             epoch_length=self.epoch_length,
+            global_order=_order_dict(self.order),
+            global_position=self.global_position,
+            by_items=self.by_items,
         )
         if self.window is not None:
             state["window"] = self.window.to_dict()
         return state
 
     def check_fits(
-        self, *, world_size: int, steps: int, drop_last: bool, allow_steps_change: bool
-    ) -> None:
-        """Refuse to load into an accumulator on another number of data-parallel ranks, with
-        another ``drop_last``, or with another ``steps`` unless allowed between windows.
+        self,
+        *,
+        world_size: int,
+        steps: int,
+        drop_last: bool,
+        allow_steps_change: bool,
+        allow_world_size_change: bool = False,
+    ) -> Rescale | None:
+        """Refuse to load into an accumulator on another number of data-parallel ranks
+        (unless allowed, where the run can be continued there exactly), with another
+        ``drop_last``, or with another ``steps`` unless allowed between windows.
+
+        Returns:
+            Where the state resumes on ``world_size`` ranks, when that is another number;
+            None on the saved one.
 
         Raises:
             ConfigError: It does not fit, with the fix.
         """
-        self._check_world_size(world_size)
+        rescale = self._check_world_size(world_size, steps, allow_world_size_change)
         if self.drop_last != drop_last:
             msg = (
                 f"the state was saved with drop_last={self.drop_last!r} but this "
@@ -137,8 +191,10 @@ class Checkpoint:
                 f"drop_last={self.drop_last!r} to resume"
             )
             raise ConfigError(msg)
-        if self.steps == steps or (allow_steps_change and self.window is None):
-            return
+        if rescale is not None or self.steps == steps:
+            return rescale
+        if allow_steps_change and self.window is None:
+            return None
         msg = (
             f"the state was saved with steps={self.steps} but this Accumulator has "
             f"steps={steps}; construct it with steps={self.steps} to resume"
@@ -149,22 +205,108 @@ class Checkpoint:
             msg += f", or pass allow_steps_change=True to keep steps={steps}"
         raise ConfigError(msg)
 
-    def _check_world_size(self, world_size: int) -> None:
-        """Refuse another world size: the saved position counts each rank's microbatches of
-        its own shard, and a window the microbatches of every rank (the global batch)."""
+    def _check_world_size(self, world_size: int, steps: int, allowed: bool) -> Rescale | None:
+        """Refuse another world size unless ``allowed``: the saved position counts each
+        rank's microbatches of its own shard, and a window the microbatches of every rank
+        (the global batch). Allowed, it resumes where the global window (``world_size *
+        steps`` microbatches) is kept, the state was saved between windows and, mid-epoch,
+        its global position is known."""
         if self.world_size is None or self.world_size == world_size:
-            return
-        # Resuming exactly on another world size (keeping the global batch by rescaling
-        # steps, where the data order allows it) would be an opt-in checked here; none is
-        # supported yet, so the fix is the saved world size.
-        ranks = f"{self.world_size} rank{'s' if self.world_size > 1 else ''}"
+            return None
+        saved = ranks_text(self.world_size)
+        rows = self.world_size * self.steps
+        where = f"the state was saved with world_size={self.world_size} (data-parallel ranks)"
+        if not allowed:
+            msg = (
+                f"{where} but this Accumulator has world_size={world_size}: its position "
+                f"counts the microbatches of each rank's shard and its windows the global "
+                f"batch of {saved}, which this run would not continue; resume on {saved}, as "
+                f"saved, or pass allow_world_size_change=True to continue {kept_on(rows)} "
+                "(the same global batch)"
+            )
+            raise ConfigError(msg)
+        window = f"a global window of {self.world_size} x {self.steps} = {rows} microbatches"
+        if rows % world_size:
+            msg = (
+                f"{where} and steps={self.steps}, {window}, which {ranks_text(world_size)} cannot "
+                f"keep ({rows} is not a multiple of {world_size}); resume {kept_on(rows)}"
+            )
+            raise ConfigError(msg)
+        if steps * world_size != rows:
+            msg = (
+                f"{where} and steps={self.steps}, {window}, but this Accumulator has "
+                f"steps={steps} on {ranks_text(world_size)} ({world_size * steps} microbatches); "
+                f"construct it with steps={rows // world_size} to keep the global batch "
+                "(gradaccum.steps_for(global_batch, micro_batch, world_size))"
+            )
+            raise ConfigError(msg)
+        if self.window is not None:
+            msg = (
+                f"{where} mid-window ({self.window.microsteps} of {self.window.size} "
+                f"microsteps, include_grads=True): each rank's partial gradient holds its own "
+                f"microbatches, which do not carry over to {ranks_text(world_size)}; resume on "
+                f"{saved}, as saved, or from a checkpoint after a window's last microstep"
+            )
+            raise ConfigError(msg)
+        if self.position and self.order is None:
+            msg = (
+                f"{where} at microbatch {self.position} of an epoch whose global order was not "
+                "known (an iterable other than a DataLoader over a DistributedSampler, without "
+                "a global_order() method, or a state from before version 6), so where the job "
+                f"stands in its samples was not recorded; resume on {saved}, as saved, or from "
+                "a checkpoint between epochs"
+            )
+            raise ConfigError(msg)
+        rescale = Rescale(
+            self.order, self.global_position or 0, self.world_size, self.steps, self.by_items
+        )
+        rescale.skip(world_size)  # refuses a position inside a microbatch there
+        return rescale
+
+
+def _order_dict(order: GlobalOrder | None) -> OrderDict:
+    if order is None:
+        return OrderDict(data=None, epoch=None, samples=None, batch_size=None)
+    return OrderDict(
+        data=order.data, epoch=order.epoch, samples=order.samples, batch_size=order.batch_size
+    )
+
+
+_UNKNOWN = _order_dict(None)
+
+
+def _parse_order(
+    saved: object, trained_at: object, world_size: int | None, position: int
+) -> tuple[GlobalOrder | None, int | None]:
+    """``state['global_order']`` and ``state['global_position']``, which must be where
+    ``position`` stands in it."""
+    if saved is None or saved == _UNKNOWN:
+        if trained_at is not None:
+            msg = f"state['global_position'] is {describe(trained_at)}, without a global_order"
+            raise ConfigError(msg)
+        return None, None
+    fields = saved if isinstance(saved, Mapping) else {}
+    try:
+        if world_size is None or set(fields) != {"data", "epoch", "samples", "batch_size"}:
+            raise ConfigError
+        order = GlobalOrder(
+            fields["data"], fields["epoch"], fields["samples"], fields["batch_size"], world_size
+        )
+    except GradaccumError:
         msg = (
-            f"the state was saved with world_size={self.world_size} (data-parallel ranks) "
-            f"but this Accumulator has world_size={world_size}: its position counts the "
-            f"microbatches of each rank's shard and its windows the global batch of "
-            f"{ranks}, which this run would not continue; resume on {ranks}, as saved"
+            "state['global_order'] is not a global order from state_dict() (with a "
+            f"world_size), got {describe(saved)}"
+        )
+        raise ConfigError(msg) from None
+    trained = check_count(trained_at, "state['global_position']")
+    if trained != order.trained_after(position):
+        msg = (
+            f"state['global_position'] is {trained}, but {position} microbatches of "
+            f"{order.world_size} x {order.batch_size} samples into an epoch of {order.samples} "
+            f"(state['position'], state['global_order']) are {order.trained_after(position)}"
         )
         raise ConfigError(msg)
+    return order, trained
 
 
 def parse(state: object, is_tensor: Callable[[object], bool]) -> Checkpoint:
@@ -213,6 +355,14 @@ def parse(state: object, is_tensor: Callable[[object], bool]) -> Checkpoint:
         if position > length:
             msg = f"state['epoch_length'] is {length}, less than its position {position}"
             raise ConfigError(msg)
+    order, trained, by_items = None, None, None
+    if version >= 6:
+        order, trained = _parse_order(
+            state.get("global_order"), state.get("global_position"), world_size, position
+        )
+        by_items = state.get("by_items")
+        if by_items is not None:
+            by_items = check_bool(by_items, "state['by_items']")
     saved = state.get("window")
     window = None if saved is None else _parse_window(saved, is_tensor)
     return Checkpoint(
@@ -226,6 +376,9 @@ def parse(state: object, is_tensor: Callable[[object], bool]) -> Checkpoint:
         epochs_completed=epochs,
         world_size=world_size,
         epoch_length=length,
+        order=order,
+        global_position=trained,
+        by_items=by_items,
     )
 
 

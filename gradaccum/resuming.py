@@ -14,6 +14,9 @@ sampler's indices, or by drawing and dropping what was trained on already.
 
 A DataLoader with persistent workers resumes its order exactly only if that order is not
 drawn from the generator of its workers' seed: see `check_workers_seed`.
+
+`global_order` reads where an epoch's microbatches lie in one order of its samples over all
+the ranks, so that a state saved on one number of ranks resumes on another.
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ import itertools
 from collections.abc import Iterable, Iterator, Sized
 from typing import Any, TypeVar
 
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
 
-from gradaccum.errors import ConfigError, warn
+from gradaccum.errors import ConfigError, ConfigTypeError, describe, warn
+from gradaccum.order import GlobalOrder
 
-__all__ = ["check_workers_seed", "restores_own_position", "resumed"]
+__all__ = ["check_workers_seed", "global_order", "restores_own_position", "resumed"]
 
 T = TypeVar("T")
 
@@ -56,6 +60,50 @@ def restores_own_position(iterable: object) -> bool:
     return callable(getattr(iterable, "state_dict", None)) and callable(
         getattr(iterable, "load_state_dict", None)
     )
+
+
+def global_order(iterable: object, length: int | None, world_size: int) -> GlobalOrder | None:
+    """The global order of the epoch ``iterable`` is about to hand out (``length``
+    microbatches per rank, agreed; None: unsized) on ``world_size`` data-parallel ranks: what
+    its ``global_order()`` method declares, or, for a ``DataLoader`` whose sampler is a
+    ``DistributedSampler`` (of exactly that type: a subclass may order otherwise), what its
+    sampler and batch size make it. None where neither, or where the order is not sharded
+    over these ranks into ``length`` microbatches: not known.
+
+    Raises:
+        ConfigTypeError: ``global_order()`` returned something else than a `GlobalOrder`.
+    """
+    declare = getattr(iterable, "global_order", None)
+    if callable(declare):
+        order = declare()
+        if not isinstance(order, GlobalOrder):
+            msg = (
+                f"the epoch's iterable's global_order() must return a gradaccum.GlobalOrder, "
+                f"got {describe(order)}"
+            )
+            raise ConfigTypeError(msg)
+    elif (
+        isinstance(iterable, DataLoader)
+        and type(iterable.sampler) is DistributedSampler
+        and iterable.batch_size is not None
+    ):
+        sampler, batch = iterable.sampler, iterable.batch_size
+        per_rank = sampler.num_samples  # the permutation, padded or cut to the ranks
+        if iterable.drop_last:  # and the loader drops a last, shorter batch
+            per_rank -= per_rank % batch
+        data = (
+            f"DistributedSampler(shuffle={sampler.shuffle}, seed={sampler.seed}) of "
+            f"{len(sampler.dataset)} samples"  # type: ignore[arg-type]
+        )
+        epoch = sampler.epoch if sampler.shuffle else None
+        order = GlobalOrder(
+            data, epoch, per_rank * sampler.num_replicas, batch, sampler.num_replicas
+        )
+    else:
+        return None
+    if order.world_size != world_size or order.microbatches != length:
+        return None
+    return order
 
 
 def resumed(iterable: Iterable[T], skip: int, *, resumes_run: bool = False) -> Iterator[T]:

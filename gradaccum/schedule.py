@@ -14,8 +14,11 @@ __all__ = [
     "check_count",
     "check_positive",
     "check_steps",
+    "divisors",
     "interval",
+    "kept_on",
     "steps_at_epoch",
+    "steps_for",
     "steps_per_epoch",
     "total_steps",
     "trained_microbatches",
@@ -132,6 +135,65 @@ def _per_epoch(n_batches: int, steps: int, drop_last: bool) -> int:
     return -(
         -trained_microbatches(n_batches, steps, drop_last) // steps
     )  # whole windows, rounded up
+
+
+def steps_for(global_batch: int, micro_batch: int, world_size: int) -> int:
+    """The ``steps`` that keep a global batch: ``global_batch`` samples per optimizer step,
+    with ``micro_batch`` samples per rank and microstep on ``world_size`` data-parallel ranks
+    (what a run resumed on another number of ranks needs).
+
+    Args:
+        global_batch: Samples per optimizer step, over all the ranks.
+        micro_batch: Samples per microbatch on each rank (the DataLoader's ``batch_size``).
+        world_size: Data-parallel ranks.
+
+    Returns:
+        ``global_batch // (micro_batch * world_size)``.
+
+    Raises:
+        ConfigTypeError, ConfigError: An argument is not a positive int, or
+            ``micro_batch * world_size`` does not divide ``global_batch``; the message
+            names the numbers of ranks it is kept on.
+
+    Examples:
+        >>> steps_for(256, 8, 4)
+        8
+        >>> steps_for(256, 8, 2)  # the same global batch on half the ranks
+        16
+    """
+    check_positive(global_batch, "global_batch")
+    check_positive(micro_batch, "micro_batch")
+    check_positive(world_size, "world_size")
+    steps, rest = divmod(global_batch, micro_batch * world_size)
+    if not rest:
+        return steps
+    msg = (
+        f"global_batch={global_batch} is not a multiple of micro_batch * world_size = "
+        f"{micro_batch} * {world_size} = {micro_batch * world_size}"
+    )
+    if global_batch % micro_batch:
+        msg += f"; pass a micro_batch that divides {global_batch}"
+    else:
+        msg += f"; with micro_batch={micro_batch} it is kept {kept_on(global_batch // micro_batch)}"
+    raise ConfigError(msg)
+
+
+def kept_on(rows: int) -> str:
+    """Where a global window of ``rows`` microbatches (over all the ranks) is kept, for
+    messages: ``"on 1, 2 or 4 ranks with steps 4, 2 or 1"``."""
+    ranks = divisors(rows)
+    return f"on {_listed(ranks)} ranks with steps {_listed([rows // each for each in ranks])}"
+
+
+def divisors(n: int) -> list[int]:
+    """The positive divisors of ``n`` (>= 1), in order."""
+    low = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return low + [n // d for d in reversed(low) if d * d != n]
+
+
+def _listed(values: list[int]) -> str:
+    *rest, last = map(str, values)
+    return f"{', '.join(rest)} or {last}" if rest else last
 
 
 def steps_at_epoch(schedule: Mapping[int, int], epoch: int) -> int:

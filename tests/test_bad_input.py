@@ -248,6 +248,8 @@ CALLS: dict[str, tuple[Callable[..., Any], str]] = {
     "steps_at_epoch": (gradaccum.steps_at_epoch, "steps_at_epoch("),
     "steps_per_epoch": (gradaccum.steps_per_epoch, "steps_per_epoch("),
     "total_steps": (gradaccum.total_steps, "total_steps("),
+    "steps_for": (gradaccum.steps_for, "steps_for("),
+    "GlobalOrder": (gradaccum.GlobalOrder, "GlobalOrder("),
     "testing.check_accumulation": (gradaccum.testing.check_accumulation, "check_accumulation("),
     "testing.run_ranks": (gradaccum.testing.run_ranks, "run_ranks("),
     "testing.CollectiveCounter": (gradaccum.testing.CollectiveCounter, "CollectiveCounter("),

@@ -86,7 +86,7 @@ class Driver:
         if self.done < self.size:
             self._at("mid")
             return
-        self.plan.close_window()
+        self.plan.close_window(False)
         self.windows.append((self.plan.closed_at - self.size, self.size))
         self.done, self.size = 0, self.steps
         change = self.changes.get(self.boundary)

@@ -25,6 +25,7 @@ def test_exports_are_pinned() -> None:
         "Accumulator",
         "ConfigError",
         "ConfigTypeError",
+        "GlobalOrder",
         "GradaccumError",
         "GradaccumWarning",
         "NonFiniteError",
@@ -41,6 +42,7 @@ def test_exports_are_pinned() -> None:
         "register_sync_strategy",
         "set_random_state",
         "steps_at_epoch",
+        "steps_for",
         "steps_per_epoch",
         "total_steps",
     ]

@@ -12,7 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gradaccum.errors import ConfigError, ConfigTypeError, GradaccumError
+from gradaccum.order import GlobalOrder, Rescale
 from gradaccum.record import VERSION, Checkpoint, SavedWindow, parse
+from gradaccum.schedule import kept_on
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,8 +61,22 @@ def saved_windows(draw: st.DrawFn) -> SavedWindow:
 
 
 @st.composite
+def orders(draw: st.DrawFn, world_size: int) -> GlobalOrder:
+    return GlobalOrder(
+        draw(st.text(max_size=8)),
+        draw(st.none() | counts),
+        world_size * draw(st.integers(0, 10**6)),
+        draw(st.integers(1, 64)),
+        world_size,
+    )
+
+
+@st.composite
 def checkpoints(draw: st.DrawFn) -> Checkpoint:
     global_step, position = draw(counts), draw(counts)
+    world_size = draw(st.none() | st.integers(min_value=1, max_value=4096))
+    order = None if world_size is None else draw(st.none() | orders(world_size))
+    trained = None if order is None else order.trained_after(position)
     return Checkpoint(
         steps=draw(st.integers(min_value=1, max_value=1024)),
         position=position,
@@ -70,8 +86,11 @@ def checkpoints(draw: st.DrawFn) -> Checkpoint:
         sync=draw(st.sampled_from(["auto", "every", "boundary"])),
         window=draw(st.none() | saved_windows()),
         epochs_completed=draw(counts),
-        world_size=draw(st.none() | st.integers(min_value=1, max_value=4096)),
+        world_size=world_size,
         epoch_length=draw(st.none() | st.integers(min_value=max(1, position), max_value=10**13)),
+        order=order,
+        global_position=trained,
+        by_items=draw(st.none() | st.booleans()),
     )
 
 
@@ -115,8 +134,9 @@ class TestCheckpointToDict:
         assert parse(checkpoint.to_dict(), is_tensor) == checkpoint
 
     def test_the_saved_form(self) -> None:
-        """to_dict() saves version 5 and the fields by name, the world size and the epoch
-        length always (None where not known); no ``window`` key between windows."""
+        """to_dict() saves version 6 and the fields by name, the world size, the epoch
+        length, the global order and position, and the last window's mode always (None
+        where not known); no ``window`` key between windows."""
         saved = Checkpoint(
             steps=4,
             position=8,
@@ -127,9 +147,12 @@ class TestCheckpointToDict:
             epochs_completed=5,
             world_size=2,
             epoch_length=13,
+            order=GlobalOrder("corpus", 3, 104, 4, 2),
+            global_position=64,
+            by_items=True,
         ).to_dict()
         assert saved == {
-            "version": 5,
+            "version": 6,
             "steps": 4,
             "position": 8,
             "global_step": 2,
@@ -139,8 +162,23 @@ class TestCheckpointToDict:
             "sync": "auto",
             "world_size": 2,
             "epoch_length": 13,
+            "global_order": {"data": "corpus", "epoch": 3, "samples": 104, "batch_size": 4},
+            "global_position": 64,
+            "by_items": True,
         }
-        assert VERSION == 5
+        assert VERSION == 6
+
+    def test_an_unknown_order_saves_the_same_keys(self) -> None:
+        """Where the order is not known its fields are None under the same keys, so that
+        torch.distributed.checkpoint, which loads into the keys of a fresh accumulator's
+        state (no order known yet), finds every key it saved; both read back."""
+        unknown = Checkpoint(4, 0, 2, 1, True, "auto").to_dict()
+        known = Checkpoint(
+            4, 0, 2, 1, True, "auto", None, 0, 2, None, GlobalOrder("c", 0, 8, 2, 2), 0
+        ).to_dict()
+        assert unknown["global_order"] == dict.fromkeys(known["global_order"])
+        assert parse(unknown, is_tensor).order is None
+        assert parse(known, is_tensor).order == GlobalOrder("c", 0, 8, 2, 2)
 
     def test_the_saved_window(self) -> None:
         """A saved window is a plain dict of its fields, in new lists: changing the saved
@@ -175,9 +213,9 @@ class TestCheckpointToDict:
 
 
 class TestParseVersions:
-    @pytest.mark.parametrize("version", [1, 2, 3, 4, 5])
+    @pytest.mark.parametrize("version", [1, 2, 3, 4, 5, 6])
     def test_known_versions_load(self, version: int) -> None:
-        """Versions 1 to 5 are read the same way."""
+        """Versions 1 to 6 are read the same way."""
         parsed = parse(state(version=version), never_tensor)
         assert (parsed.steps, parsed.position, parsed.global_step) == (4, 8, 2)
 
@@ -196,6 +234,82 @@ class TestParseVersions:
         assert (parsed.world_size, parsed.epoch_length) == (2, 13)
         parsed = parse(state(world_size=None, epoch_length=...), never_tensor)
         assert (parsed.world_size, parsed.epoch_length) == (None, None)
+
+    @pytest.mark.parametrize("version", [1, 2, 3, 4, 5])
+    def test_before_version_6_no_global_order_is_recorded(self, version: int) -> None:
+        """Before version 6 neither the global order, its position nor the last window's
+        mode was saved: they read as None (a mid-epoch state resumes on its own world
+        size only), whatever the keys hold."""
+        order = {"data": "corpus", "epoch": 0, "samples": 104, "batch_size": 4}
+        saved = state(version=version, global_order=order, global_position=64, by_items=True)
+        parsed = parse(saved, never_tensor)
+        assert (parsed.order, parsed.global_position, parsed.by_items) == (None, None, None)
+
+    def test_version_5_loads_as_before(self) -> None:
+        """A version-5 state (world size and epoch length, nothing more) reads as saved."""
+        parsed = parse(state(version=5), never_tensor)
+        assert parsed == Checkpoint(4, 8, 2, 0, True, "auto", None, 3, 2, 13)
+
+    def test_version_6_reads_the_global_order(self) -> None:
+        """Version 6 reads the global order (with the state's world size), the samples of
+        it trained and the last window's mode; all may be None."""
+        order = {"data": "corpus", "epoch": None, "samples": 104, "batch_size": 4}
+        parsed = parse(state(global_order=order, global_position=64, by_items=False), never_tensor)
+        assert parsed.order == GlobalOrder("corpus", None, 104, 4, 2)
+        assert (parsed.global_position, parsed.by_items) == (64, False)
+        parsed = parse(state(global_order=None, global_position=None), never_tensor)
+        assert (parsed.order, parsed.global_position, parsed.by_items) == (None, None, None)
+
+    @pytest.mark.parametrize(
+        ("changes", "message"),
+        [
+            (
+                {"global_order": None, "global_position": 3},
+                "state['global_position'] is 3 (int), without a global_order",
+            ),
+            (
+                {"global_order": {"data": "c", "epoch": 0, "samples": 103, "batch_size": 4}},
+                "state['global_order'] is not a global order from state_dict() (with a "
+                "world_size), got {'data': 'c', 'epoch': 0, 'samples': 103, 'batch_size': 4} "
+                "(dict)",
+            ),
+            (
+                {"global_order": {"data": "c", "samples": 104, "batch_size": 4}},
+                "state['global_order'] is not a global order from state_dict() (with a "
+                "world_size), got {'data': 'c', 'samples': 104, 'batch_size': 4} (dict)",
+            ),
+            (
+                {
+                    "world_size": None,
+                    "global_order": {"data": "c", "epoch": 0, "samples": 4, "batch_size": 4},
+                },
+                "state['global_order'] is not a global order from state_dict() (with a "
+                "world_size), got {'data': 'c', 'epoch': 0, 'samples': 4, 'batch_size': 4} "
+                "(dict)",
+            ),
+            (
+                {"global_order": {"data": "c", "epoch": 0, "samples": 8, "batch_size": 4}},
+                "state['global_position'] must be a non-negative int, got None (NoneType)",
+            ),
+            (
+                {
+                    "global_order": {"data": "c", "epoch": 0, "samples": 8, "batch_size": 4},
+                    "global_position": 4,
+                },
+                "state['global_position'] is 4, but 8 microbatches of 2 x 4 samples into an "
+                "epoch of 8 (state['position'], state['global_order']) are 8",
+            ),
+            ({"by_items": 1}, "state['by_items'] must be a bool, got 1 (int)"),
+        ],
+    )
+    def test_a_malformed_global_order_is_refused(
+        self, changes: dict[str, Any], message: str
+    ) -> None:
+        """A global order, position or mode that state_dict() cannot have saved is refused,
+        naming the key."""
+        with pytest.raises(GradaccumError) as caught:
+            parse(state(**changes), never_tensor)
+        assert str(caught.value) == message
 
     def test_an_epoch_length_below_the_position_is_refused(self) -> None:
         """A position past its own epoch's end cannot come from state_dict()."""
@@ -224,13 +338,13 @@ class TestParseVersions:
         """A state without ``sync`` reads as the default policy."""
         assert parse(state(sync=...), never_tensor).sync == "auto"
 
-    @given(version=st.integers(min_value=0, max_value=10**6).filter(lambda v: v not in range(1, 6)))
+    @given(version=st.integers(min_value=0, max_value=10**6).filter(lambda v: v not in range(1, 7)))
     def test_other_versions_are_refused(self, version: int) -> None:
         """Any other version is refused, saying which versions this gradaccum reads."""
         with pytest.raises(ConfigError) as caught:
             parse(state(version=version), never_tensor)
         assert str(caught.value) == (
-            f"state['version'] is {version}, but this gradaccum reads versions 1 to 5; "
+            f"state['version'] is {version}, but this gradaccum reads versions 1 to 6; "
             "load it with the gradaccum that saved it"
         )
 
@@ -504,7 +618,9 @@ class TestCheckpointCheckFits:
             f"the state was saved with world_size={saved} (data-parallel ranks) but this "
             f"Accumulator has world_size={here}: its position counts the microbatches of "
             f"each rank's shard and its windows the global batch of {ranks}, which this run "
-            f"would not continue; resume on {ranks}, as saved"
+            f"would not continue; resume on {ranks}, as saved, or pass "
+            f"allow_world_size_change=True to continue {kept_on(saved * 4)} (the same global "
+            "batch)"
         )
 
     def test_the_world_size_is_checked_first(self) -> None:
@@ -521,3 +637,111 @@ class TestCheckpointCheckFits:
         self.saved(world_size=None).check_fits(
             world_size=here, steps=4, drop_last=True, allow_steps_change=False
         )
+
+
+class TestCheckpointCheckFitsAnotherWorldSize:
+    """check_fits(allow_world_size_change=True): a state saved on 2 ranks with steps 4
+    (a global window of 8 microbatches), 8 microbatches of 4 samples into an epoch of
+    104 samples (position 64)."""
+
+    ORDER = GlobalOrder("corpus", 0, 104, 4, 2)
+
+    @staticmethod
+    def saved(
+        window: bool = False, order: GlobalOrder | None = ORDER, position: int = 8
+    ) -> Checkpoint:
+        opened = SavedWindow(1, 4, 4, False, [], [FakeTensor("l")], []) if window else None
+        trained = None if order is None else order.trained_after(position)
+        return Checkpoint(4, position, 2, 0, True, "auto", opened, 0, 2, 13, order, trained, False)
+
+    def fits(self, saved: Checkpoint, world_size: int, steps: int) -> Rescale | None:
+        return saved.check_fits(
+            world_size=world_size,
+            steps=steps,
+            drop_last=True,
+            allow_steps_change=False,
+            allow_world_size_change=True,
+        )
+
+    @pytest.mark.parametrize(("world_size", "steps", "skip"), [(1, 8, 16), (4, 2, 4), (8, 1, 2)])
+    def test_the_global_window_kept_resumes_at_the_same_sample(
+        self, world_size: int, steps: int, skip: int
+    ) -> None:
+        """On W' ranks with W' * steps' == 2 * 4 the state resumes after the same 64
+        samples: 64 / (W' * 4) microbatches of each rank."""
+        rescale = self.fits(self.saved(), world_size, steps)
+        assert rescale == Rescale(self.ORDER, 64, 2, 4, False)
+        assert rescale.skip(world_size) == skip
+
+    def test_the_same_world_size_needs_no_rescale(self) -> None:
+        """On the saved world size nothing is rescaled."""
+        assert self.fits(self.saved(), 2, 4) is None
+
+    def test_a_world_size_that_cannot_keep_the_global_window_is_refused(self) -> None:
+        """3 ranks cannot hold a global window of 8 microbatches: the message names the
+        numbers of ranks and the steps that would."""
+        with pytest.raises(ConfigError) as caught:
+            self.fits(self.saved(), 3, 3)
+        assert str(caught.value) == (
+            "the state was saved with world_size=2 (data-parallel ranks) and steps=4, a "
+            "global window of 2 x 4 = 8 microbatches, which 3 ranks cannot keep (8 is not a "
+            "multiple of 3); resume on 1, 2, 4 or 8 ranks with steps 8, 4, 2 or 1"
+        )
+
+    def test_steps_that_change_the_global_window_are_refused(self) -> None:
+        """On 4 ranks with steps=4 (16 microbatches a window) the message names steps=2."""
+        with pytest.raises(ConfigError) as caught:
+            self.fits(self.saved(), 4, 4)
+        assert str(caught.value) == (
+            "the state was saved with world_size=2 (data-parallel ranks) and steps=4, a "
+            "global window of 2 x 4 = 8 microbatches, but this Accumulator has steps=4 on 4 "
+            "ranks (16 microbatches); construct it with steps=2 to keep the global batch "
+            "(gradaccum.steps_for(global_batch, micro_batch, world_size))"
+        )
+
+    def test_a_saved_window_is_refused(self) -> None:
+        """A state saved mid-window (include_grads) holds each rank's partial gradient."""
+        with pytest.raises(ConfigError) as caught:
+            self.fits(self.saved(window=True, position=1), 4, 2)
+        assert str(caught.value) == (
+            "the state was saved with world_size=2 (data-parallel ranks) mid-window (1 of 4 "
+            "microsteps, include_grads=True): each rank's partial gradient holds its own "
+            "microbatches, which do not carry over to 4 ranks; resume on 2 ranks, as saved, "
+            "or from a checkpoint after a window's last microstep"
+        )
+
+    def test_mid_epoch_without_a_global_order_is_refused(self) -> None:
+        """Mid-epoch, the global position is needed; between epochs it is not."""
+        with pytest.raises(ConfigError) as caught:
+            self.fits(self.saved(order=None), 4, 2)
+        assert str(caught.value) == (
+            "the state was saved with world_size=2 (data-parallel ranks) at microbatch 8 of "
+            "an epoch whose global order was not known (an iterable other than a DataLoader "
+            "over a DistributedSampler, without a global_order() method, or a state from "
+            "before version 6), so where the job stands in its samples was not recorded; "
+            "resume on 2 ranks, as saved, or from a checkpoint between epochs"
+        )
+        assert self.fits(self.saved(order=None, position=0), 4, 2) == Rescale(None, 0, 2, 4, False)
+
+    def test_a_position_inside_a_microbatch_there_is_refused(self) -> None:
+        """After 7 microbatches of 2 ranks (56 samples), 4 ranks' microbatches of 16
+        samples do not start there: the message names the ranks that would."""
+        with pytest.raises(ConfigError) as caught:
+            self.fits(self.saved(position=7), 4, 2)
+        assert str(caught.value) == (
+            "the loaded state resumes after sample 56 of its epoch's order, which falls "
+            "inside a microbatch of 4 ranks (4 x 4 = 16 samples each): its windows were cut "
+            "from a position that 4 ranks do not reach (steps was changed mid-epoch); resume "
+            "on 1 or 2 ranks, or from a checkpoint between epochs"
+        )
+
+    def test_the_world_size_change_is_checked_before_drop_last(self) -> None:
+        """drop_last is still checked on another world size."""
+        with pytest.raises(ConfigError, match="drop_last=True but this Accumulator has"):
+            self.saved().check_fits(
+                world_size=4,
+                steps=2,
+                drop_last=False,
+                allow_steps_change=False,
+                allow_world_size_change=True,
+            )

@@ -735,3 +735,64 @@ def test_the_resume_example_resumes_in_another_process(
     assert capsys.readouterr().out.splitlines()[-1] == (
         "stopped after 21 of 48 optimizer steps; resumed bit for bit: True"
     )
+
+
+class TestGlobalOrder:
+    """resuming.global_order: what a DataLoader over a DistributedSampler, or an iterable's
+    global_order(), tells of the epoch's order over the ranks (no process group needed:
+    the sampler is told its ranks)."""
+
+    data = TensorDataset(torch.arange(50.0))
+
+    def loader(self, world: int, *, sampler_drop_last: bool, drop_last: bool, shuffle: bool):
+        sampler = DistributedSampler(
+            self.data, world, 0, shuffle=shuffle, seed=3, drop_last=sampler_drop_last
+        )
+        sampler.set_epoch(5)
+        return DataLoader(self.data, batch_size=4, sampler=sampler, drop_last=drop_last)
+
+    @pytest.mark.parametrize(
+        ("sampler_drop_last", "drop_last", "samples"),
+        [(False, False, 52), (True, False, 48), (False, True, 48), (True, True, 48)],
+    )
+    def test_a_distributed_sampler_is_read(
+        self, sampler_drop_last: bool, drop_last: bool, samples: int
+    ) -> None:
+        """50 samples on 4 ranks: the sampler pads to 52 or cuts to 48 (13 or 12 a rank),
+        the loader's drop_last keeps 12 a rank (3 batches of 4); the epoch is the
+        sampler's when it shuffles."""
+        loader = self.loader(
+            4, sampler_drop_last=sampler_drop_last, drop_last=drop_last, shuffle=True
+        )
+        assert resuming.global_order(loader, len(loader), 4) == gradaccum.GlobalOrder(
+            "DistributedSampler(shuffle=True, seed=3) of 50 samples", 5, samples, 4, 4
+        )
+        plain = self.loader(4, sampler_drop_last=False, drop_last=False, shuffle=False)
+        order = resuming.global_order(plain, len(plain), 4)
+        assert order is not None
+        assert order.epoch is None  # the same order every epoch
+
+    def test_what_does_not_say_is_not_known(self) -> None:
+        """Another sampler, another number of ranks than the gradients', a generator: None."""
+        loader = self.loader(4, sampler_drop_last=False, drop_last=False, shuffle=True)
+        assert resuming.global_order(loader, len(loader), 2) is None
+        assert resuming.global_order(DataLoader(self.data, batch_size=4), 13, 1) is None
+        assert resuming.global_order(iter(loader), None, 4) is None
+
+    def test_an_iterable_declares_its_order(self) -> None:
+        """global_order() is called each epoch; it must return a GlobalOrder."""
+
+        class Declared(list):
+            def global_order(self) -> Any:
+                return answer
+
+        answer: Any = gradaccum.GlobalOrder("corpus", 0, 8, 2, 2)
+        assert resuming.global_order(Declared([1, 2]), 2, 2) == answer
+        assert resuming.global_order(Declared([1]), 1, 2) is None  # not its length
+        answer = {"data": "corpus"}
+        with pytest.raises(gradaccum.ConfigTypeError) as caught:
+            resuming.global_order(Declared([1, 2]), 2, 2)
+        assert str(caught.value) == (
+            "the epoch's iterable's global_order() must return a gradaccum.GlobalOrder, got "
+            "{'data': 'corpus'} (dict)"
+        )

@@ -44,7 +44,8 @@ def test_another_world_size_is_refused(two_ranks: list[dict[str, Any]]) -> None:
             "the state was saved with world_size=1 (data-parallel ranks) but this "
             "Accumulator has world_size=2: its position counts the microbatches of each "
             "rank's shard and its windows the global batch of 1 rank, which this run would "
-            "not continue; resume on 1 rank, as saved"
+            "not continue; resume on 1 rank, as saved, or pass allow_world_size_change=True "
+            "to continue on 1, 2 or 4 ranks with steps 4, 2 or 1 (the same global batch)"
         )
         assert after == (0, 0)
         assert (saved["world_size"], saved["position"], saved["global_step"]) == (2, 8, 2)
@@ -55,6 +56,7 @@ def test_another_world_size_is_refused(two_ranks: list[dict[str, Any]]) -> None:
             "the state was saved with world_size=2 (data-parallel ranks) but this "
             "Accumulator has world_size=1: its position counts the microbatches of each "
             "rank's shard and its windows the global batch of 2 ranks, which this run would "
-            "not continue; resume on 2 ranks, as saved"
+            "not continue; resume on 2 ranks, as saved, or pass allow_world_size_change=True "
+            "to continue on 1, 2, 4 or 8 ranks with steps 8, 4, 2 or 1 (the same global batch)"
         )
         assert (fresh.global_step, fresh.position, fresh.epochs_completed) == (0, 0, 0)

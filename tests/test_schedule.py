@@ -84,3 +84,46 @@ def test_bad_arguments_are_named(call, error, fragments) -> None:
     assert isinstance(caught.value, gradaccum.GradaccumError)
     for fragment in fragments:
         assert fragment in str(caught.value)
+
+
+class TestStepsFor:
+    @given(
+        micro_batch=st.integers(1, 64),
+        world_size=st.integers(1, 64),
+        steps=st.integers(1, 64),
+    )
+    def test_the_steps_that_keep_the_global_batch(
+        self, micro_batch: int, world_size: int, steps: int
+    ) -> None:
+        """steps_for returns the steps whose windows hold global_batch samples."""
+        global_batch = micro_batch * world_size * steps
+        assert gradaccum.steps_for(global_batch, micro_batch, world_size) == steps
+
+    def test_a_global_batch_the_ranks_cannot_keep_is_refused_with_where_it_is_kept(self) -> None:
+        """256 samples of 8 are 32 microbatches: not on 3 ranks; the message names the
+        numbers of ranks (and steps) that keep it."""
+        with pytest.raises(gradaccum.ConfigError) as caught:
+            gradaccum.steps_for(256, 8, 3)
+        assert str(caught.value) == (
+            "global_batch=256 is not a multiple of micro_batch * world_size = 8 * 3 = 24; "
+            "with micro_batch=8 it is kept on 1, 2, 4, 8, 16 or 32 ranks with steps 32, 16, "
+            "8, 4, 2 or 1"
+        )
+
+    def test_a_micro_batch_that_does_not_divide_is_refused(self) -> None:
+        with pytest.raises(gradaccum.ConfigError) as caught:
+            gradaccum.steps_for(100, 8, 1)
+        assert str(caught.value) == (
+            "global_batch=100 is not a multiple of micro_batch * world_size = 8 * 1 = 8; "
+            "pass a micro_batch that divides 100"
+        )
+
+    @pytest.mark.parametrize("bad", [0, -1, True, 2.0, "8"])
+    def test_bad_arguments_are_refused_by_name(self, bad: object) -> None:
+        for name, args in (
+            ("global_batch", (bad, 8, 2)),
+            ("micro_batch", (256, bad, 2)),
+            ("world_size", (256, 8, bad)),
+        ):
+            with pytest.raises(gradaccum.GradaccumError, match=name):
+                gradaccum.steps_for(*args)  # type: ignore[arg-type]

@@ -79,7 +79,7 @@ def test_state_holds_steps_position_global_step_and_policy() -> None:
     parts = build()
     train(parts, epochs=1, stop_after=2)
     assert parts[3].state_dict() == {
-        "version": 5,
+        "version": 6,
         "steps": 4,
         "position": 8,
         "global_step": 2,
@@ -89,10 +89,37 @@ def test_state_holds_steps_position_global_step_and_policy() -> None:
         "sync": "auto",
         "world_size": 1,
         "epoch_length": 13,
+        # a list of batches: no global order known
+        "global_order": {"data": None, "epoch": None, "samples": None, "batch_size": None},
+        "global_position": None,
+        "by_items": False,
     }
     train(parts, epochs=1)
     assert parts[3].state_dict()["position"] == 0
     assert (parts[3].state_dict()["world_size"], parts[3].state_dict()["epoch_length"]) == (1, None)
+
+
+def test_a_version_5_state_resumes_as_before() -> None:
+    """A state saved by the gradaccum of version 5 (no global order, position or mode)
+    loads and resumes the uninterrupted run bit for bit."""
+    uninterrupted = build()
+    train(uninterrupted, epochs=2)
+    first = build()
+    train(first, epochs=2, stop_after=2)
+    state = first[3].state_dict()
+    old = {
+        key: value
+        for key, value in state.items()
+        if key not in ("global_order", "global_position", "by_items")
+    }
+    resumed = build()
+    resumed[0].load_state_dict(first[0].state_dict())
+    resumed[1].load_state_dict(first[1].state_dict())
+    resumed[2].load_state_dict(first[2].state_dict())
+    resumed[3].load_state_dict(dict(old, version=5))
+    assert (resumed[3].global_step, resumed[3].position) == (2, 8)
+    train(resumed, epochs=2 - resumed[3].epochs_completed)
+    assert_same_run(uninterrupted, resumed)
 
 
 def test_mid_window_checkpoint_is_refused() -> None:

@@ -500,7 +500,7 @@ class AccumulatorMachine(RuleBasedStateMachine):
             "world_size",
         )
         assert tuple(state[name] for name in fields) == (
-            5,
+            6,
             saved.steps,
             saved.position,
             saved.global_step,
