@@ -16,7 +16,6 @@ scenarios in the same order, each on its own data.
 from __future__ import annotations
 
 import contextlib
-import io
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -25,7 +24,15 @@ import torch
 
 import gradaccum
 from tests.distributed import full_params, wrap
-from tests.helpers import Batch, make_batches, make_model, mean_loss, sum_loss
+from tests.helpers import (
+    Batch,
+    load_parts,
+    make_batches,
+    make_model,
+    mean_loss,
+    save_parts,
+    sum_loss,
+)
 
 Parts = tuple[Any, list[Any], list[Any], gradaccum.Accumulator]
 LR_BIAS, GAMMA_BIAS = 0.05, 0.8  # the biases' optimizer and scheduler, with two
@@ -97,30 +104,8 @@ def events(
 
 def save(parts: Parts, include_grads: bool) -> tuple[bytes, dict[str, Any]]:
     """Every part's state (this rank's), and the accumulator's steps, position, global_step."""
-    model, optimizers, schedulers, acc = parts
-    state = {
-        "model": model.state_dict(),
-        "optimizers": [optimizer.state_dict() for optimizer in optimizers],
-        "schedulers": [scheduler.state_dict() for scheduler in schedulers],
-        "acc": acc.state_dict(include_grads=include_grads),
-    }
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    saved = {key: state["acc"][key] for key in ("steps", "position", "global_step")}
-    return buffer.getvalue(), saved
-
-
-def load(parts: Parts, blob: bytes) -> Parts:
-    """Load `save`'s ``blob`` into fresh ``parts``."""
-    model, optimizers, schedulers, acc = parts
-    state = torch.load(io.BytesIO(blob))
-    model.load_state_dict(state["model"])
-    for optimizer, saved in zip(optimizers, state["optimizers"], strict=True):
-        optimizer.load_state_dict(saved)
-    for scheduler, saved in zip(schedulers, state["schedulers"], strict=True):
-        scheduler.load_state_dict(saved)
-    acc.load_state_dict(state["acc"])
-    return parts
+    blob, state = save_parts(parts, include_grads=include_grads)
+    return blob, {key: state[key] for key in ("steps", "position", "global_step")}
 
 
 def act(
@@ -191,7 +176,7 @@ def play(scenario: dict[str, Any], rank: int, interrupted: bool) -> dict[str, An
                 assert checkpoint is not None
                 blob, seen["saved"] = stopped
                 parts[3].close()
-                parts = load(build(scenario, seen["saved"]["steps"], stepped), blob)
+                parts = load_parts(build(scenario, seen["saved"]["steps"], stepped), blob)
                 resume_at = checkpoint["epoch"] + (checkpoint["when"] == "between")
                 train(scenario, rank, parts, resume_at, None)
             model, optimizers, _, acc = parts

@@ -104,6 +104,34 @@ def load_checkpoint(parts: tuple[Any, ...], blob: bytes) -> tuple[Any, ...]:
     return parts
 
 
+def save_parts(parts: tuple[Any, ...], *, include_grads: bool = False) -> tuple[bytes, Any]:
+    """``(model, optimizers, schedulers, acc)``'s states (lists of optimizers and
+    schedulers, as the several-optimizer `Accumulator` takes them), and the accumulator's."""
+    model, optimizers, schedulers, acc = parts
+    state = {
+        "model": model.state_dict(),
+        "optimizers": [optimizer.state_dict() for optimizer in optimizers],
+        "schedulers": [scheduler.state_dict() for scheduler in schedulers],
+        "acc": acc.state_dict(include_grads=include_grads),
+    }
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue(), state["acc"]
+
+
+def load_parts(parts: tuple[Any, ...], blob: bytes) -> tuple[Any, ...]:
+    """Load `save_parts`'s ``blob`` into fresh ``(model, optimizers, schedulers, acc)``."""
+    model, optimizers, schedulers, acc = parts
+    state = torch.load(io.BytesIO(blob))
+    model.load_state_dict(state["model"])
+    for optimizer, saved in zip(optimizers, state["optimizers"], strict=True):
+        optimizer.load_state_dict(saved)
+    for scheduler, saved in zip(schedulers, state["schedulers"], strict=True):
+        scheduler.load_state_dict(saved)
+    acc.load_state_dict(state["acc"])
+    return parts
+
+
 def torchrun(
     script: Path, nproc: int, *args: str, timeout: float = 180
 ) -> subprocess.CompletedProcess[str]:

@@ -151,6 +151,10 @@ def train(run: Run, checkpoint: Callable[[Run], None] | None = None) -> Run:
     return run
 
 
+CHECKPOINTS = ["step 1", "step 2", "step 3", "epoch 1", "step 4", "step 5", "step 6", "epoch 2"]
+"""Where `train` checkpoints two epochs of three windows: after every window and epoch."""
+
+
 def resumed_everywhere(
     kind: str,
     rank: int = 0,

@@ -599,16 +599,7 @@ class TestPersistentWorkers:
         epochs resumes to the uninterrupted run's parameters, including a mid-epoch one
         (the skipping loader) followed by a later epoch of the loader's own workers."""
         outcome = resumes.resumed_everywhere("persistent")
-        assert list(outcome) == [
-            "step 1",
-            "step 2",
-            "step 3",
-            "epoch 1",
-            "step 4",
-            "step 5",
-            "step 6",
-            "epoch 2",
-        ]
+        assert list(outcome) == resumes.CHECKPOINTS
         assert all(outcome.values()), outcome
 
     def test_one_generator_for_the_order_and_the_workers_is_refused(self) -> None:
@@ -671,16 +662,7 @@ def test_resume_at_every_window_boundary_is_bit_for_bit(kind: str) -> None:
     and every epoch, each resumed in fresh objects by the guide's recipe: every resumed
     run ends with the uninterrupted run's parameters (torch.equal)."""
     outcome = resumes.resumed_everywhere(kind)
-    assert list(outcome) == [
-        "step 1",
-        "step 2",
-        "step 3",
-        "epoch 1",
-        "step 4",
-        "step 5",
-        "step 6",
-        "epoch 2",
-    ]
+    assert list(outcome) == resumes.CHECKPOINTS
     assert all(outcome.values()), outcome
 
 

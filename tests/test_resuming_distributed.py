@@ -26,7 +26,7 @@ def test_resume_at_every_window_boundary_on_two_ranks(two_ranks: list[dict[str, 
     """Two ranks, each with its own shard (a DistributedSampler, set to the epoch), dropout
     and its own random state: every checkpoint after a window or an epoch resumes to the
     uninterrupted run's parameters (torch.equal) on both ranks."""
-    checkpoints = ["step 1", "step 2", "step 3", "epoch 1", "step 4", "step 5", "step 6", "epoch 2"]
+    checkpoints = resumes.CHECKPOINTS
     for outcome in (outcomes["resumed"] for outcomes in two_ranks):
         assert list(outcome) == [*resumes.KINDS, "stateful under fully_shard"]
         for kind, resumed in outcome.items():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import warnings
 from typing import Any
 
@@ -10,7 +9,15 @@ import pytest
 import torch
 
 import gradaccum
-from tests.helpers import load_checkpoint, make_batches, make_model, mean_loss, save_checkpoint
+from tests.helpers import (
+    load_checkpoint,
+    load_parts,
+    make_batches,
+    make_model,
+    mean_loss,
+    save_checkpoint,
+    save_parts,
+)
 
 BATCHES = make_batches([3] * 13, dtype=torch.float32)
 
@@ -299,34 +306,6 @@ def build_split(steps: int = 4) -> tuple[Any, ...]:
     return model, optimizers, schedulers, acc
 
 
-def save_split(parts: tuple[Any, ...], include_grads: bool) -> bytes:
-    model, optimizers, schedulers, acc = parts
-    buffer = io.BytesIO()
-    torch.save(
-        {
-            "model": model.state_dict(),
-            "optimizers": [optimizer.state_dict() for optimizer in optimizers],
-            "schedulers": [scheduler.state_dict() for scheduler in schedulers],
-            "acc": acc.state_dict(include_grads=include_grads),
-        },
-        buffer,
-    )
-    return buffer.getvalue()
-
-
-def load_split(blob: bytes) -> tuple[Any, ...]:
-    parts = build_split()
-    model, optimizers, schedulers, acc = parts
-    state = torch.load(io.BytesIO(blob))
-    model.load_state_dict(state["model"])
-    for optimizer, saved in zip(optimizers, state["optimizers"], strict=True):
-        optimizer.load_state_dict(saved)
-    for scheduler, saved in zip(schedulers, state["schedulers"], strict=True):
-        scheduler.load_state_dict(saved)
-    acc.load_state_dict(state["acc"])
-    return parts
-
-
 @pytest.mark.parametrize("stop_at", [8, 6])  # after window 2; mid-window 2 of 4 of window 2
 def test_two_optimizers_resume_bit_for_bit(stop_at: int) -> None:
     """Both optimizers' states, both schedulers and a mid-window gradient over both
@@ -342,7 +321,7 @@ def test_two_optimizers_resume_bit_for_bit(stop_at: int) -> None:
             break
     state = acc.state_dict(include_grads=stop_at % 4 != 0)
     assert ("window" in state) is (stop_at % 4 != 0)
-    resumed = load_split(save_split(first, include_grads=stop_at % 4 != 0))
+    resumed = load_parts(build_split(), save_parts(first, include_grads=stop_at % 4 != 0)[0])
     model, _, _, acc = resumed
     for batch in acc.epoch(BATCHES):
         with acc.microstep(mean_loss(model, batch)):
