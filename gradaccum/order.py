@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from gradaccum.errors import ConfigError, ConfigTypeError, describe
-from gradaccum.schedule import check_count, check_positive, divisors
+from gradaccum.schedule import check_count, check_positive, divisors, listed
 
 __all__ = ["GlobalOrder", "Rescale", "Windows", "ranks_text", "windows"]
 
@@ -229,8 +229,8 @@ class Rescale:
                 f"which falls inside a microbatch of {ranks_text(world_size)} ({world_size} x "
                 f"{self.order.batch_size} = {row} samples each): its windows were cut from a "
                 f"position that {ranks_text(world_size)} do not reach (steps was changed "
-                f"mid-epoch); resume on {' or '.join(map(str, working))} ranks, or from a "
-                "checkpoint between epochs"
+                f"mid-epoch); resume on {listed(working)} rank{'s' if working != [1] else ''}, "
+                "or from a checkpoint between epochs"
             )
             raise ConfigError(msg)
         return skip + (inside > 0)

@@ -17,6 +17,7 @@ __all__ = [
     "divisors",
     "interval",
     "kept_on",
+    "listed",
     "steps_at_epoch",
     "steps_for",
     "steps_per_epoch",
@@ -182,7 +183,10 @@ def kept_on(rows: int) -> str:
     """Where a global window of ``rows`` microbatches (over all the ranks) is kept, for
     messages: ``"on 1, 2 or 4 ranks with steps 4, 2 or 1"``."""
     ranks = divisors(rows)
-    return f"on {_listed(ranks)} ranks with steps {_listed([rows // each for each in ranks])}"
+    return (
+        f"on {listed(ranks)} rank{'s' if rows > 1 else ''} with steps "
+        f"{listed([rows // each for each in ranks])}"
+    )
 
 
 def divisors(n: int) -> list[int]:
@@ -191,7 +195,8 @@ def divisors(n: int) -> list[int]:
     return low + [n // d for d in reversed(low) if d * d != n]
 
 
-def _listed(values: list[int]) -> str:
+def listed(values: list[int]) -> str:
+    """``[1, 2, 4]`` in words, for messages: ``"1, 2 or 4"``."""
     *rest, last = map(str, values)
     return f"{', '.join(rest)} or {last}" if rest else last
 

@@ -110,6 +110,15 @@ class TestStepsFor:
             "8, 4, 2 or 1"
         )
 
+    def test_a_global_batch_of_one_microbatch_is_kept_on_one_rank(self) -> None:
+        """8 samples of 8: one microbatch, kept on 1 rank only (singular)."""
+        with pytest.raises(gradaccum.ConfigError) as caught:
+            gradaccum.steps_for(8, 8, 2)
+        assert str(caught.value) == (
+            "global_batch=8 is not a multiple of micro_batch * world_size = 8 * 2 = 16; "
+            "with micro_batch=8 it is kept on 1 rank with steps 1"
+        )
+
     def test_a_micro_batch_that_does_not_divide_is_refused(self) -> None:
         with pytest.raises(gradaccum.ConfigError) as caught:
             gradaccum.steps_for(100, 8, 1)
