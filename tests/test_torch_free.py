@@ -9,12 +9,19 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PURE = ["gradaccum.schedule", "gradaccum.window", "gradaccum.plan", "gradaccum.record"]
+PURE = [
+    "gradaccum.schedule",
+    "gradaccum.window",
+    "gradaccum.plan",
+    "gradaccum.record",
+    "gradaccum.order",
+]
 TESTS = [
     "tests/test_schedule.py",
     "tests/test_window.py",
     "tests/test_plan.py",
     "tests/test_record.py",
+    "tests/test_order.py",
 ]
 
 
