@@ -19,9 +19,11 @@ What is measured:
     Modes: ``plain``; ``clip`` (``max_grad_norm=1.0``); ``items`` (summed losses with
     ``num_items``); ``skip`` (``on_nonfinite="skip"``: by hand, the total norm read on the
     host before stepping); ``scaler`` (an enabled ``GradScaler``). Setups: one process,
-    and DDP on one gloo rank; there the accumulator's several-ranks path (the
-    ``always_call`` forward hook that names a failed rank) is installed too, as on many
-    ranks, so that what is measured is what a multi-rank run pays per forward.
+    and DDP on one gloo rank; there the accumulator's several-ranks path is what is
+    measured, as on many ranks: the ``always_call`` forward hook that names a failed rank
+    is installed where the model's forward runs a collective
+    (`SyncStrategy.forward_communicates`: DDP broadcasting buffers, FSDP), which this
+    MLP's does not, so it has no hook, as on many ranks.
 
 How it is measured:
     Each (setup, width, mode, loop) runs in its own process under
@@ -238,7 +240,10 @@ def child(loop: str, width: int, mode: str, setup: str, microsteps: int, library
             scaler=scaler,
             on_nonfinite="skip" if mode == "skip" else None,
         )
-        if setup == "ddp":  # the several-ranks path, as on many ranks
+        guard = None
+        if setup == "ddp" and acc._strategy.forward_communicates:
+            # The several-ranks path, as on many ranks: the forward guard where the
+            # forward runs a collective (DDP with buffers to broadcast; not this MLP).
             guard = hooks.watch(model, failed=acc._forward_failed)
         run = lambda data: gradaccum_block(acc, mode, data)  # noqa: E731
     run(warm)
@@ -248,7 +253,7 @@ def child(loop: str, width: int, mode: str, setup: str, microsteps: int, library
     run(timed)
     markers.gradaccum_stop()
     gc.enable()
-    if loop == "gradaccum" and setup == "ddp":
+    if loop == "gradaccum" and guard is not None:
         guard.remove()
 
 

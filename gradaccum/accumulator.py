@@ -161,16 +161,17 @@ class Accumulator:
         self._stepper = stepping.Stepper(
             self, parts.optimizers, parts.schedulers, scaler, self._open_where
         )
-        # The hook on the model, only where something listens: DDP's forward-time
-        # decision, and a forward's collective failing under several ranks (hooks.py).
-        several, decides = self._ranks.count > 1, strategy.decides_in_forward
+        # The hook on the model, only where something listens (hooks.py): a strategy that
+        # sees each forward, and a forward's collective failing under several ranks.
+        sees = type(strategy).forward_done is not SyncStrategy.forward_done
+        guards = self._ranks.count > 1 and strategy.forward_communicates
         self._watch = (
             hooks.watch(
                 model,
-                done=self._forward_done if decides else None,
-                failed=self._forward_failed if several else None,
+                done=self._forward_done if sees else None,
+                failed=self._forward_failed if guards else None,
             )
-            if several or decides
+            if sees or guards
             else None
         )
         self._arm()
@@ -366,8 +367,8 @@ class Accumulator:
             self._arm()
 
     def _forward_done(self) -> None:
-        """After each forward of the model (hooks.py): the strategy records what that
-        forward decided."""
+        """After each forward of the model (hooks.py), for a strategy that sees each one
+        (`SyncStrategy.forward_done`)."""
         self._strategy.forward_done()
 
     def _forward_failed(self, error: BaseException) -> None:

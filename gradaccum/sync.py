@@ -49,13 +49,21 @@ class SyncStrategy(Protocol):
             (default False): it can be saved mid-window, and a ``zero_grad()`` that
             wipes it is caught.
         decides_in_forward: The wrapper decides during the forward whether the backward
-            communicates (DDP; default False): `forward_done` is called after each forward
-            of the model.
+            communicates (DDP; default False). A strategy that needs to see each forward
+            overrides `forward_done` (DDP's does not: `overridden` reads what DDP
+            recorded of the last forward).
+        forward_communicates: The model's forward may run a collective (FSDP's
+            all-gather, DDP's buffer broadcast; default True). On several ranks the
+            accumulator then watches each forward for a failure, to name the rank that
+            failed first (one hook on the model, which costs each of its calls torch's
+            slow module call, about 9,000 instructions); a forward without a collective
+            cannot fail because another rank did, and is not watched.
     """
 
     group: dist.ProcessGroup | None
     grads_in_params: bool = False
     decides_in_forward: bool = False
+    forward_communicates: bool = True
 
     def arm(self, sync: bool) -> None:
         """Prepare the next backward: ``True`` on a window's last microstep (or under
@@ -70,8 +78,8 @@ class SyncStrategy(Protocol):
         return clip_grad_norm(params, max_norm)
 
     def forward_done(self) -> None:
-        """Called after each forward of the model when `decides_in_forward` (default:
-        nothing to do)."""
+        """Called after each forward of the model, where a strategy overrides it (by
+        default nothing is called: no hook is put on the model for it)."""
         return
 
     def overridden(self) -> bool | None:
@@ -91,6 +99,7 @@ class LocalSync(SyncStrategy):
 
     group: dist.ProcessGroup | None = None
     grads_in_params = True
+    forward_communicates = False
 
     def arm(self, sync: bool) -> None:
         """Nothing to arm: there is no communication."""
@@ -104,10 +113,13 @@ class DDPSync(SyncStrategy):
 
     The flag is set to what each microstep needs rather than toggled by ``no_sync()``,
     so a state left behind by someone else (an open ``no_sync()``, an accumulator that
-    was never closed) cannot keep a boundary from all-reducing. Before each forward the
-    accumulator tells it (`forward_done`), so that a forward that saw another flag than
-    the one armed (run ahead of its block, or inside a ``no_sync()`` of the user's own)
-    can be reported at its backward. Two booleans, whatever the number of forwards.
+    was never closed) cannot keep a boundary from all-reducing. Before each backward,
+    `overridden` reads what DDP itself recorded of the last forward
+    (``require_forward_param_sync``, which DDP sets in every forward), so that a forward
+    that saw another flag than the one armed (run ahead of its block, or inside a
+    ``no_sync()`` of the user's own) is reported at its backward, with no hook on the
+    model: one attribute read a microstep. A forward of the DDP model under ``no_grad``
+    after the loss's own is what DDP recorded last, so it is taken for the loss's.
     """
 
     grads_in_params = True  # a deferred window's gradient is plain `param.grad`
@@ -117,34 +129,18 @@ class DDPSync(SyncStrategy):
         self._ddp = ddp
         self._defer = defer
         self.group: dist.ProcessGroup | None = ddp.process_group
+        # DDP's forward broadcasts the buffers from rank 0 when it has any to broadcast.
+        self.forward_communicates = bool(
+            getattr(ddp, "broadcast_buffers", True) and getattr(ddp, "modules_buffers", True)
+        )
         self._found: bool = ddp.require_backward_grad_sync
         self._armed = self._found
-        self._forwards = False  # a forward under grad mode ran since the last backward
-        self._synced = False  # one of them saw the flag set
-        self._consumed = False  # a backward consumed what recorded forwards decided
-
-    def forward_done(self) -> None:
-        """Record the flag the forward that just ran saw: nobody changes it during a
-        forward (under grad mode only: DDP prepares no backward for a forward without
-        grad)."""
-        if torch.is_grad_enabled():
-            self._forwards = True
-            self._synced = self._synced or self._ddp.require_backward_grad_sync
 
     def overridden(self) -> bool | None:
         """Whether this backward all-reduces, if that is not what was armed: DDP decided
-        in the forward. It does if any forward since the previous backward ran with the
-        flag set (a loss may take several forwards, e.g. a regularizer's); with none, its
-        forward ran before the previous backward (forwards run ahead), which consumed that
-        decision, so it does not."""
-        if self._forwards:
-            seen = self._synced
-            self._forwards = self._synced = False
-            self._consumed = True
-        elif self._consumed:
-            seen = False
-        else:
-            return None  # no forward recorded yet: nothing known
+        in the last forward, which it recorded (``require_forward_param_sync``: the flag
+        under grad mode)."""
+        seen: bool = self._ddp.require_forward_param_sync
         return None if seen is self._armed else seen
 
     def arm(self, sync: bool) -> None:

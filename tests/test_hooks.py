@@ -207,3 +207,60 @@ def test_a_deferred_forward_of_the_users_own_is_no_false_alarm() -> None:
             with acc.microstep(mean_loss(model, batch)):
                 pass
     acc.close()
+
+
+@pytest.mark.parametrize(
+    ("buffers", "broadcast", "communicates"),
+    [(False, True, False), (True, True, True), (True, False, False)],
+    ids=["no buffers", "buffers broadcast", "buffers not broadcast"],
+)
+@pytest.mark.filterwarnings("ignore:`broadcast_buffers` is deprecated:FutureWarning")
+@pytest.mark.usefixtures("process_group")
+def test_ddp_forward_communicates_only_when_it_broadcasts_buffers(
+    buffers: bool, broadcast: bool, communicates: bool
+) -> None:
+    """The forward guard of several ranks watches forwards that run a collective: DDP's
+    runs one only to broadcast buffers. On one rank no hook is put on a DDP model at all
+    (DDP's decision is read from what DDP recorded), so its calls keep torch's fast path."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from gradaccum.sync import strategy_for
+
+    inner = make_model()
+    if buffers:
+        inner.register_buffer("running", torch.zeros(1, dtype=torch.float64))
+    model = DistributedDataParallel(inner, broadcast_buffers=broadcast)
+    assert strategy_for(model).forward_communicates is communicates
+    with gradaccum.Accumulator(model, torch.optim.SGD(model.parameters()), steps=2) as acc:
+        for batch in acc.epoch(make_batches([2] * 2)):
+            assert not model._forward_hooks
+            assert not model._forward_pre_hooks
+            with acc.microstep(mean_loss(model, batch)):
+                pass
+    assert acc.global_step == 1
+
+
+@pytest.mark.usefixtures("process_group")
+def test_ddp_boundary_forward_under_a_no_sync_of_ones_own_is_caught_on_one_rank() -> None:
+    """What DDP recorded of the boundary's forward (``require_forward_param_sync``) is read
+    before its backward: a forward inside a ``no_sync()`` of the user's own is warned
+    about, and the same loop without it warns nothing."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(make_model())
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters()), steps=2)
+    batches = make_batches([2] * 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", gradaccum.GradaccumWarning)
+        for index, batch in enumerate(acc.epoch(batches)):
+            if index == 1:
+                with model.no_sync():
+                    loss = mean_loss(model, batch)
+            else:
+                loss = mean_loss(model, batch)
+            with acc.microstep(loss):
+                pass
+    acc.close()
+    (message,) = [str(w.message) for w in caught]
+    assert "the forward of microstep 2 of 2 ran while DDP was set to defer" in message
+    assert "not reduced over the ranks" in message
