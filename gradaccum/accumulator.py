@@ -183,14 +183,15 @@ class Accumulator:
     def _use(self, strategy: SyncStrategy) -> None:
         """Take ``strategy``, and what it asks of the hot path (decided once, here)."""
         self._strategy, self._armed = strategy, None
-        self._arms = type(strategy).arm is not LocalSync.arm  # a local module has nothing to arm
-        self._block.watch = strategy.grads_in_params
-        self._block.look = type(strategy).overridden is not SyncStrategy.overridden
+        block = self._block
+        block.arms = type(strategy).arm is not LocalSync.arm  # a local module has nothing to arm
+        block.watch = strategy.grads_in_params
+        block.look = type(strategy).overridden is not SyncStrategy.overridden
 
     def _arm(self) -> None:
         """Arm the next backward before its forward: sync if the next microstep is the
         boundary or the policy is "every"; the strategy is called only on a change."""
-        if not self._arms:
+        if not self._block.arms:
             return
         window = self._window
         sync = window.done == window.last or self._options.sync == "every"
@@ -346,25 +347,6 @@ class Accumulator:
                 "microstep of a window or on none"
             )
             raise UsageError(msg)
-
-    def _close_window(self, *, skipped: bool) -> None:
-        """Count the window that closed (applied or skipped) and start the next."""
-        self._skipped += skipped
-        self._global_step += 1
-        self._plan.close_window(self._window.by_items)
-        self._clear_window()
-
-    def _clear_window(self) -> None:
-        """Clear the window's gradient and state, so that the next microstep starts clean."""
-        self._stepper.clear()
-        grads = self._grads
-        grads.param = grads.grad = None  # (GradWatch.stop, inline)
-        if grads.rest:
-            grads.rest = []
-        self._window.reset(self._steps)
-        self._block.idle = Step(False, self._global_step)
-        if self._arms:
-            self._arm()
 
     def _forward_done(self) -> None:
         """After each forward of the model (hooks.py), for a strategy that sees each one

@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gradaccum import boundary, faults, stepping
+from gradaccum import boundary, faults
 from gradaccum.errors import NonFiniteError, RankFailedError, UsageError, warn
 from gradaccum.step import Step
 
 if TYPE_CHECKING:
     from gradaccum.accumulator import Accumulator
 
-__all__ = ["Microstep", "fail"]
+__all__ = ["Microstep", "apply", "clear_window", "close_window", "fail", "prepare_boundary"]
 
 
 class Microstep:
@@ -35,12 +35,14 @@ class Microstep:
 
     __slots__ = (
         "acc",
+        "arms",
         "busy",
         "grads",
         "idle",
         "look",
         "loss",
         "num_items",
+        "params",
         "plan",
         "scaler",
         "step",
@@ -52,8 +54,9 @@ class Microstep:
     def __init__(self, acc: Accumulator) -> None:
         self.acc = acc
         self.window, self.plan, self.grads = acc._window, acc._plan, acc._grads
+        self.params = acc._params
         self.scaler = acc._options.scaler
-        self.watch = self.look = False
+        self.watch = self.look = self.arms = False
         self.busy = self.stopped = False
         self.loss: torch.Tensor | None = None
         self.num_items: int | torch.Tensor | None = None
@@ -75,15 +78,15 @@ class Microstep:
         plan = self.plan
         if plan.active:  # (a microstep outside the epoch uses no microbatch of it)
             plan.pending = False
-        if window.done == 0:
-            window.open(num_items is not None)
+        if not window.done:  # the window opens: its divisor and mode are fixed
+            window.divisor = window.size
+            window.by_items = num_items is not None
         elif self.watch:
             grads = self.grads
-            param, grad = grads.param, grads.grad
+            param = grads.param
             if (
                 param is not None
-                and grad is not None
-                and (param.grad is not grad or grad._version != grads.version)
+                and (param.grad is not grads.grad or grads.grad._version != grads.version)  # type: ignore[union-attr]
             ) or grads.rest:
                 change = grads.change()
                 if change is not None:
@@ -104,14 +107,13 @@ class Microstep:
             if window.done != window.last:
                 if self.watch:
                     grads = self.grads
-                    if window.done:
-                        grad = grads.grad
-                        if grad is not None:
-                            grads.version = grad._version
+                    if not window.done:
+                        params = self.params
+                        grads.start(params.first, params.watched())
+                    elif grads.grad is not None:
+                        grads.version = grads.grad._version
                         if grads.rest:
                             grads.update()
-                    else:
-                        grads.start(self.acc._params.watched())
                 return self.idle
             self.step = step = prepare_boundary(self.acc)
         except BaseException as error:
@@ -128,15 +130,15 @@ class Microstep:
         window.in_block = False
         self.busy = self.stopped
         step = self.step
-        if error is not None:
-            self.step = None
-            fail(self.acc, error)
-        elif step is None:
+        if step is None and error is None:
             window.done += 1
-            if window.done == window.last:
+            if self.arms and window.done == window.last:
                 self.acc._arm()
-        else:
-            self.step = None
+            return
+        self.step = None
+        if error is not None:
+            fail(self.acc, error)
+        elif step is not None:
             apply(self.acc, step)
 
 
@@ -145,7 +147,8 @@ def prepare_boundary(acc: Accumulator) -> Step:
     window, options, ranks, params = acc._window, acc._options, acc._ranks, acc._params
     listed = params.now()
     by_items = window.by_items
-    divisor: int | torch.Tensor = len(window.losses)
+    losses = window.losses
+    divisor: int | torch.Tensor = len(losses)
     totals = None  # the window's loss over the ranks, for step.global_loss
     if by_items:
         divisor, totals = boundary.normalize(params, window, ranks)
@@ -154,25 +157,20 @@ def prepare_boundary(acc: Accumulator) -> Step:
             boundary.rescale(params, window)
         if options.global_loss and ranks.count > 1:
             totals = boundary.global_mean(window, ranks)
-    if options.scaler is not None:
-        acc._stepper.unscale()
-    optimizers = acc.optimizers
-    lrs = (
-        tuple(map(stepping.learning_rate, optimizers))
-        if len(optimizers) > 1
-        else (stepping.learning_rate(optimizers[0]),)
-    )
+    stepper = acc._stepper
+    if stepper.scaler is not None:
+        stepper.unscale()
     norm = None
     if options.max_grad_norm is not None:
         norm = boundary.clip(acc._strategy, params, options.max_grad_norm)
     step = Step(
         True,
         acc._global_step + 1,
-        window.losses,
+        losses,
         divisor,
         by_items,
         norm,
-        lrs,
+        stepper.learning_rates(),
         ranks.count == 1 and (by_items or options.global_loss),
         totals,
     )
@@ -192,18 +190,46 @@ def prepare_boundary(acc: Accumulator) -> Step:
 def apply(acc: Accumulator, step: Step) -> None:
     """Leaving the boundary's block: step (or skip) the window and count it; a failure in
     the stepping counts the window only if the optimizers stepped."""
+    stepper = acc._stepper
     try:
-        if step.skipped:
-            acc._stepper.skip()
-        else:
-            step.skipped = acc._stepper.apply()
+        step.skipped = skipped = stepper.apply(step.skipped)
     except BaseException as failure:
-        applied = acc._stepper.applied
+        applied = stepper.applied
         if applied:  # the optimizers stepped: the window counts, though it failed
-            acc._close_window(skipped=False)
+            stepper.clear()
+            close_window(acc, skipped=False)
         fail(acc, failure, applied=applied)
         raise
-    acc._close_window(skipped=step.skipped)
+    close_window(acc, skipped=skipped)
+
+
+def close_window(acc: Accumulator, *, skipped: bool) -> None:
+    """Count the window that closed (applied or skipped; its gradient is cleared) and start
+    the next."""
+    if skipped:
+        acc._skipped += 1
+    acc._global_step += 1
+    acc._plan.close_window(acc._window.by_items)
+    _next_window(acc)
+
+
+def clear_window(acc: Accumulator) -> None:
+    """Drop the window: clear its gradient and state, so that the next microstep starts
+    clean."""
+    acc._stepper.clear()
+    _next_window(acc)
+
+
+def _next_window(acc: Accumulator) -> None:
+    grads = acc._grads
+    grads.param = grads.grad = None  # (GradWatch.stop, inline)
+    if grads.rest:
+        grads.rest = []
+    acc._window.reset(acc._steps)
+    block = acc._block
+    block.idle = Step(False, acc._global_step)
+    if block.arms:
+        acc._arm()
 
 
 def fail(
@@ -219,7 +245,7 @@ def fail(
     ``error``, naming that rank and the window each of the two stopped in.
     """
     if not applied:
-        acc._clear_window()
+        clear_window(acc)
         acc._plan.recut(acc._steps)  # the next windows start after the failed microbatch
     ranks = acc._ranks
     if ranks.count == 1 or isinstance(error, NonFiniteError):  # every rank raised that

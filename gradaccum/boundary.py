@@ -12,6 +12,7 @@ added between windows are treated like the others.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,51 +38,95 @@ __all__ = [
 class Params:
     """The optimizers' parameters, cached until their groups change.
 
-    `now` checks the groups (each optimizer's list of them, by id and length: a few reads)
-    and, when they changed, works out again the list, its order in the model and its
-    grouping by device and dtype; `ordered`, `grads_by_kind` and `watched` read what
-    `now` made.
+    `now` checks the groups (each optimizer's list of them, by identity and length: a few
+    reads) and, when they changed, works out again the list, its order in the model, its
+    grouping by device and dtype and where a wipe is watched; `ordered`, `grads_by_kind`
+    and `watched` read what `now` made.
+
+    Attributes:
+        first: The one gradient that every wipe reaches, where there is one (one
+            optimizer, whose first parameter is the model's first): the window's watch
+            reads only it (`gradaccum.misuse.GradWatch`); else None.
     """
 
-    __slots__ = ("_by_kind", "_key", "_list", "_model", "_optimizers", "_ordered", "_watched")
+    __slots__ = (
+        "_by_kind",
+        "_groups",
+        "_list",
+        "_model",
+        "_one",
+        "_one_count",
+        "_one_groups",
+        "_optimizers",
+        "_ordered",
+        "_watched",
+        "first",
+    )
 
     def __init__(self, optimizers: tuple[torch.optim.Optimizer, ...], model: nn.Module) -> None:
         self._optimizers = optimizers
         self._model = model
-        self._key: tuple[int, ...] = ()
+        self._groups: list[tuple[list[dict[str, Any]], int]] = []
+        self._one = optimizers[0] if len(optimizers) == 1 else None
+        self._one_groups: list[dict[str, Any]] | None = None
+        self._one_count = 0
         self._list: list[torch.Tensor] = []
         self._ordered: list[torch.Tensor] = []
-        self._by_kind: list[tuple[torch.device, torch.dtype, list[torch.Tensor]]] = []
+        # (device, dtype, parameters, the dtype a factor is multiplied in, and whether a
+        # Python scalar factor is multiplied in the gradient's own dtype)
+        self._by_kind: list[
+            tuple[torch.device, torch.dtype, list[torch.Tensor], torch.dtype, bool]
+        ] = []
         self._watched: list[list[torch.Tensor]] = []
-
-    def _groups_key(self) -> tuple[int, ...]:
-        # An optimizer's groups change by add_param_group (one more) or a new list
-        # (load_state_dict): its list's id and length tell.
-        if len(self._optimizers) == 1:
-            groups = self._optimizers[0].param_groups
-            return (id(groups), len(groups))
-        key: list[int] = []
-        for optimizer in self._optimizers:
-            groups = optimizer.param_groups
-            key += (id(groups), len(groups))
-        return tuple(key)
+        self.first: torch.Tensor | None = None
 
     def now(self) -> list[torch.Tensor]:
         """Every optimizer's parameters as they are now, each once, in order."""
-        key = self._groups_key()
-        if key != self._key:
-            self._key, self._list = key, params_of(self._optimizers)
-            self._ordered = in_model_order(self._model, self._list)
-            kinds: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-            for param in self._list:
-                kinds.setdefault((param.device, param.dtype), []).append(param)
-            self._by_kind = [(device, dtype, group) for (device, dtype), group in kinds.items()]
-            self._watched = [
-                [param for group in optimizer.param_groups for param in group["params"]]
-                for optimizer in self._optimizers
-            ]
-            self._watched.append(self._ordered)
+        # An optimizer's groups change by add_param_group (one more) or a new list
+        # (load_state_dict): the list's identity and length tell.
+        seen = self._groups
+        if self._one is not None:
+            groups = self._one.param_groups
+            if groups is self._one_groups and len(groups) == self._one_count:
+                return self._list
+        elif seen and all(
+            optimizer.param_groups is groups and len(groups) == length
+            for optimizer, (groups, length) in zip(self._optimizers, seen, strict=True)
+        ):
+            return self._list
+        self._work_out()
         return self._list
+
+    def _work_out(self) -> None:
+        optimizers = self._optimizers
+        self._groups = [
+            (optimizer.param_groups, len(optimizer.param_groups)) for optimizer in optimizers
+        ]
+        if self._one is not None:  # what `now` reads of one optimizer, kept apart
+            self._one_groups, self._one_count = self._groups[0]
+        self._list = params_of(optimizers)
+        self._ordered = in_model_order(self._model, self._list)
+        kinds: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for param in self._list:
+            kinds.setdefault((param.device, param.dtype), []).append(param)
+        self._by_kind = [
+            (
+                device,
+                dtype,
+                group,
+                torch.float64 if dtype == torch.float64 else torch.float32,
+                dtype in (torch.float32, torch.float64),
+            )
+            for (device, dtype), group in kinds.items()
+        ]
+        self._watched = [
+            [param for group in optimizer.param_groups for param in group["params"]]
+            for optimizer in optimizers
+        ]
+        self._watched.append(self._ordered)
+        own, model = self._watched[0], self._ordered
+        one = len(optimizers) == 1 and own and model and own[0] is model[0]
+        self.first = own[0] if one else None
 
     def watched(self) -> list[list[torch.Tensor]]:
         """Where a wipe of the window is seen (`gradaccum.misuse.GradWatch`): each
@@ -95,11 +140,20 @@ class Params:
         lacks (as of the last `now`)."""
         return self._ordered
 
-    def grads_by_kind(self) -> list[tuple[torch.device, torch.dtype, list[torch.Tensor]]]:
-        """The gradients there are, grouped by device and dtype (as of the last `now`)."""
+    def grads_by_kind(
+        self,
+    ) -> list[tuple[torch.device, torch.dtype, list[torch.Tensor], torch.dtype, bool]]:
+        """The gradients there are, grouped by device and dtype (as of the last `now`), each
+        group with the dtype a factor is multiplied in and whether a Python scalar is."""
         return [
-            (device, dtype, [p.grad for p in group if p.grad is not None])
-            for device, dtype, group in self._by_kind
+            (
+                device,
+                dtype,
+                [grad for param in group if (grad := param.grad) is not None],
+                wide,
+                plain,
+            )
+            for device, dtype, group, wide, plain in self._by_kind
         ]
 
 
@@ -200,13 +254,12 @@ def scale_grads(params: Params, factor: float | torch.Tensor) -> None:
     otherwise, never rounded to the gradient's own dtype first: float16 would turn the
     inverse of an item total into a subnormal (or the total above 65504 into inf).
     """
-    for device, dtype, grads in params.grads_by_kind():
+    for device, _, grads, wide, plain in params.grads_by_kind():
         if not grads:
             continue
-        wide = torch.float64 if dtype == torch.float64 else torch.float32
         if isinstance(factor, torch.Tensor):
             torch._foreach_mul_(grads, factor.to(device=device, dtype=wide))
-        elif dtype in (torch.float32, torch.float64):
+        elif plain:
             torch._foreach_mul_(grads, factor)  # a Python scalar: multiplied in the dtype
         else:
             torch._foreach_mul_(grads, torch.full((), factor, dtype=wide, device=device))

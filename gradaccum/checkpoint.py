@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gradaccum import record
+from gradaccum import block, record
 from gradaccum.errors import ConfigError, UsageError
 from gradaccum.schedule import check_bool
 
@@ -115,7 +115,7 @@ def load(
             by_items=saved.by_items,
             rescale=rescale,
         )
-    acc._clear_window()
+    block.clear_window(acc)
     if saved.window is not None:
         for param, grad in zip(params, saved.window.grads, strict=True):
             param.grad = None if grad is None else grad.to(param.device).clone()
@@ -125,7 +125,7 @@ def load(
         window.divisor, window.by_items = saved.window.divisor, saved.window.by_items
         window.items, window.losses = list(saved.window.items), list(saved.window.losses)
         if acc._block.watch:
-            acc._grads.start(acc._params.watched())
+            acc._grads.start(acc._params.first, acc._params.watched())
         acc._arm()
 
 

@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Sized
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from gradaccum import resuming
+from gradaccum import block, resuming
 from gradaccum.errors import ConfigError, warn
 from gradaccum.plan import check_epoch_length
 
@@ -51,7 +51,7 @@ def run(acc: Accumulator, iterable: Iterable[T]) -> Iterator[T]:
                 f"discarding the {window.done} microsteps of a window left open by the "
                 "previous epoch: windows never span epochs"
             )
-            acc._clear_window()
+            block.clear_window(acc)
         iterator = resuming.resumed(iterable, resume or 0, resumes_run=plan.resumes_run)
         if restores_itself:
             iterator = _counted(acc, iterator)
@@ -158,7 +158,7 @@ def _end(acc: Accumulator, *, guard: bool) -> None:
                 f"discarding the {window.done} microsteps of an incomplete window at the "
                 "end of the epoch: call acc.microstep() once for every microbatch"
             )
-        acc._clear_window()
+        block.clear_window(acc)
     unplanned_window(acc)
     if guard:
         check_epoch_length(

@@ -43,14 +43,15 @@ class GradWatch:
         self.version = 0
         self.rest: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # param, grad, version
 
-    def start(self, candidates: list[list[torch.Tensor]]) -> None:
+    def start(self, first: torch.Tensor | None, candidates: list[list[torch.Tensor]]) -> None:
         """After a window's first backward: watch the first gradient of each list of
-        ``candidates`` (each optimizer's parameters, and the model's in its order)."""
-        if len(candidates) == 2 and candidates[0] and candidates[1]:
-            first = candidates[0][0]  # one optimizer: its first is usually the model's
+        ``candidates`` (each optimizer's parameters, and the model's in its order), or only
+        ``first`` where every wipe reaches it (`gradaccum.boundary.Params.first`) and it
+        has a gradient."""
+        if first is not None:
             grad = first.grad
-            if grad is not None and candidates[1][0] is first:
-                self.param, self.grad, self.version, self.rest = first, grad, grad._version, []
+            if grad is not None:
+                self.param, self.grad, self.version = first, grad, grad._version
                 return
         found: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         for group in candidates:

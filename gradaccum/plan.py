@@ -183,12 +183,15 @@ class EpochPlan:
     def hand_out(self, remaining: int | None, steps: int, done: int) -> int:
         """One more microbatch reaches the user, ``done`` microsteps into its window, and
         ``remaining`` follow it, when known; return the size of its window."""
-        # The resume is under way (until then a new begin() resumes).
-        self.resume_at, self.resumes_run, self.rescale = None, False, None
+        if self.resumes_run or self.resume_at is not None or self.rescale is not None:
+            # The resume is under way (until then a new begin() resumes).
+            self.resume_at, self.resumes_run, self.rescale = None, False, None
         self.position += 1
         self.pending = True
         self.remaining = remaining
-        return self.window_size(steps, done)
+        if self.drop_last or remaining is None:  # (window_size, inline)
+            return steps
+        return min(steps, done + 1 + remaining)
 
     def window_size(self, steps: int, done: int) -> int:
         """The size of the window that the microbatch handed out last belongs to, ``done``

@@ -37,28 +37,20 @@ class Step:
             when a GradScaler skipped the step.
     """
 
-    __slots__ = (
-        "_alone",
-        "_by_items",
-        "_divisor",
-        "_global",
-        "_loss",
-        "_losses",
-        "boundary",
-        "global_step",
-        "grad_norm",
-        "lr",
-        "lrs",
-        "skipped",
-    )
-    # Annotations without values, so they document the slots' types and leave __slots__
-    # as it is (a class-level value would clash with its slot).
-    boundary: bool
+    # No __slots__: the fields of a microstep off the boundary are these class defaults,
+    # so that the one `Step` each window hands its other microsteps costs one store.
+    boundary: bool = False
     global_step: int
-    grad_norm: torch.Tensor | None
-    lr: float | torch.Tensor | None
-    lrs: tuple[float | torch.Tensor | None, ...]
-    skipped: bool
+    grad_norm: torch.Tensor | None = None
+    lr: float | torch.Tensor | None = None
+    lrs: tuple[float | torch.Tensor | None, ...] = ()
+    skipped: bool = False
+    _losses: Sequence[torch.Tensor] = ()
+    _divisor: int | torch.Tensor = 1
+    _by_items = False
+    _alone = True
+    _global: torch.Tensor | None = None
+    _loss: torch.Tensor | None = None
 
     def __init__(
         self,
@@ -73,18 +65,18 @@ class Step:
         global_totals: torch.Tensor | None = None,
     ) -> None:
         # Positional, in this order: one is made per window, on the hot path.
-        self.boundary = boundary
         self.global_step = global_step
+        if not boundary:
+            return
+        self.boundary = True
         self.grad_norm = grad_norm
         self.lrs = lrs
         self.lr = lrs[0] if lrs else None
-        self.skipped = False
         self._losses = losses
         self._divisor = divisor
         self._by_items = by_items
         self._alone = alone
         self._global = global_totals
-        self._loss: torch.Tensor | None = None
 
     @property
     def loss(self) -> torch.Tensor | None:

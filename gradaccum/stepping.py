@@ -55,6 +55,7 @@ class Stepper:
         self._stepping = False
         self._unscaled = False
         self._scheduled = [_last_epoch(scheduler) for scheduler in schedulers]
+        self._stepped = [(index, each) for index, each in enumerate(schedulers) if each is not None]
         self._hooks = [
             optimizer.register_step_pre_hook(self._foreign_step) for optimizer in optimizers
         ]
@@ -68,55 +69,63 @@ class Stepper:
                 self.scaler.unscale_(optimizer)
             self._unscaled = True
 
-    def apply(self) -> bool:
-        """Step every optimizer (through the scaler), then every scheduler; return whether
-        the scaler skipped the step (found inf/NaN), in which case no scheduler steps.
-        With several optimizers the accumulator has checked the gradient first, so that
-        the scaler steps all of them or none."""
+    def learning_rates(self) -> tuple[float | torch.Tensor | None, ...]:
+        """Each optimizer's learning rate as it is now (`learning_rate`), in order."""
+        optimizers = self.optimizers
+        if len(optimizers) == 1:
+            return (learning_rate(optimizers[0]),)
+        return tuple(map(learning_rate, optimizers))
+
+    def apply(self, skip: bool) -> bool:
+        """Step every optimizer (through the scaler), then every scheduler, and clear the
+        gradients; return whether the window was skipped: ``skip`` (inf/NaN found at the
+        boundary: nothing steps, and the scale backs off by the scaler's
+        ``backoff_factor``, also when only the norm overflowed, every value finite, so the
+        scaler itself found nothing), or the scaler skipped the step (found inf/NaN), in
+        which case no scheduler steps. With several optimizers the accumulator has
+        checked the gradient first, so that the scaler steps all of them or none."""
+        scaler = self.scaler
         self._stepping = True
         try:
-            if self.scaler is None:
+            if skip:
+                if scaler is not None:
+                    scale = scaler.get_scale()
+                    scaler.update()
+                    if scaler.get_scale() >= scale:
+                        scaler.update(scale * scaler.get_backoff_factor())
+                    self._unscaled = False
+            elif scaler is None:
                 for optimizer in self.optimizers:
                     optimizer.step()
-                skipped = False
             else:
-                scale = self.scaler.get_scale()
+                scale = scaler.get_scale()
                 for optimizer in self.optimizers:
-                    self.scaler.step(optimizer)
-                self.scaler.update()
-                skipped = self.scaler.get_scale() < scale  # it shrinks only on a skip
-            self.applied = True
-            if not skipped:
+                    scaler.step(optimizer)
+                scaler.update()
+                skip = scaler.get_scale() < scale  # it shrinks only on a skip
+            if not skip:
+                self.applied = True
                 scheduled = self._scheduled
-                for index, scheduler in enumerate(self.schedulers):
-                    if scheduler is None:
-                        continue
-                    moved = getattr(scheduler, "last_epoch", None)
-                    if moved != scheduled[index] and scheduled[index] is not None:
-                        _warn_stepped(scheduled[index], moved)
+                for index, scheduler in self._stepped:
+                    last = scheduled[index]
+                    if last is not None and getattr(scheduler, "last_epoch", None) != last:
+                        _warn_stepped(last, scheduler.last_epoch)
                     scheduler.step()
                     scheduled[index] = _last_epoch(scheduler)
         finally:
             self._stepping = False
-        return skipped
-
-    def skip(self) -> None:
-        """A window skipped for inf/NaN: no optimizer or scheduler step; the scale backs off
-        by the scaler's ``backoff_factor``, also when only the norm overflowed (every value
-        finite, so the scaler itself found nothing)."""
-        if self.scaler is not None:
-            scale = self.scaler.get_scale()
-            self.scaler.update()
-            if self.scaler.get_scale() >= scale:
-                self.scaler.update(scale * self.scaler.get_backoff_factor())
-            self._unscaled = False
+        self.clear()
+        return skip
 
     def clear(self) -> None:
         """After a window, whatever became of it: gradients cleared, scaler record reset."""
-        if self._unscaled and not self.applied and self.scaler is not None:  # it failed
-            # Clear the scaler's per-optimizer record of unscale_() without moving the scale.
-            self.scaler.update(self.scaler.get_scale())
-        self._unscaled = self.applied = False
+        if self._unscaled:
+            if not self.applied and self.scaler is not None:  # it failed
+                # Clear the scaler's per-optimizer record of unscale_() without moving the
+                # scale.
+                self.scaler.update(self.scaler.get_scale())
+            self._unscaled = False
+        self.applied = False
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
 
