@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn, TypeVar, get_args
+from typing import Any, TypeVar, get_args
 
 import torch
 from torch import nn
@@ -301,7 +301,7 @@ class Accumulator:
         started = self._block
         # One cheap condition each on the hot path; messages are built on failure.
         if started.busy:
-            self._refuse_microstep()
+            block.refuse(self)
         try:  # (free when it holds; a non-tensor fails on the attribute)
             usable = loss.ndim == 0 and loss.requires_grad
         except AttributeError:
@@ -312,41 +312,9 @@ class Accumulator:
         if (num_items is not None or window.by_items) and not (
             type(num_items) is int and num_items >= 0 and (window.by_items or not window.done)
         ):  # (an int count in an item window needs no more)
-            self._check_items(num_items)
+            block.check_items(window, num_items)
         started.loss, started.num_items, started.busy = loss, num_items, True
         return started
-
-    def _refuse_microstep(self) -> NoReturn:
-        self._life.check("microstep()")
-        started = self._block
-        if started.loss is not None:
-            # Drop the stale loss so that the corrected loop can run.
-            started.loss, started.busy = None, started.stopped
-            msg = (
-                "the previous acc.microstep(...) was never entered, so its loss was not "
-                "back-propagated; use it as `with acc.microstep(loss):`"
-            )
-        else:
-            msg = (
-                "microstep() was called inside another microstep block; "
-                "leave the first `with acc.microstep(...)` block before starting the next"
-            )
-        raise UsageError(msg)
-
-    def _check_items(self, num_items: int | torch.Tensor | None) -> None:
-        """Refuse a bad ``num_items``, or a window that mixes it with mean losses."""
-        by_items = num_items is not None
-        if by_items:
-            checks.check_num_items(num_items)
-        window = self._window
-        if window.done and by_items is not window.by_items:
-            msg = (
-                f"microstep {window.done + 1} of this window "
-                f"{'passes' if by_items else 'omits'} num_items but the window's first "
-                f"microstep did {'not' if by_items else 'so'}; pass num_items on every "
-                "microstep of a window or on none"
-            )
-            raise UsageError(msg)
 
     def _forward_done(self) -> None:
         """After each forward of the model (hooks.py), for a strategy that sees each one

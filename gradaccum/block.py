@@ -9,18 +9,28 @@ window opens, so that a microstep between is a few attribute reads and the backw
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
-from gradaccum import boundary, faults
+from gradaccum import boundary, checks, faults
 from gradaccum.errors import NonFiniteError, RankFailedError, UsageError, warn
 from gradaccum.step import Step
 
 if TYPE_CHECKING:
     from gradaccum.accumulator import Accumulator
+    from gradaccum.window import Window
 
-__all__ = ["Microstep", "apply", "clear_window", "close_window", "fail", "prepare_boundary"]
+__all__ = [
+    "Microstep",
+    "apply",
+    "check_items",
+    "clear_window",
+    "close_window",
+    "fail",
+    "prepare_boundary",
+    "refuse",
+]
 
 
 class Microstep:
@@ -140,6 +150,41 @@ class Microstep:
             fail(self.acc, error)
         elif step is not None:
             apply(self.acc, step)
+
+
+def refuse(acc: Accumulator) -> NoReturn:
+    """Refuse a ``microstep()`` call while the block is busy: the accumulator is closed or
+    broken, a loss was never entered (dropped, so that the corrected loop can run), or
+    a block is open."""
+    acc._life.check("microstep()")
+    started = acc._block
+    if started.loss is not None:
+        started.loss, started.busy = None, started.stopped
+        msg = (
+            "the previous acc.microstep(...) was never entered, so its loss was not "
+            "back-propagated; use it as `with acc.microstep(loss):`"
+        )
+    else:
+        msg = (
+            "microstep() was called inside another microstep block; "
+            "leave the first `with acc.microstep(...)` block before starting the next"
+        )
+    raise UsageError(msg)
+
+
+def check_items(window: Window, num_items: int | torch.Tensor | None) -> None:
+    """Refuse a bad ``num_items``, or a window that mixes it with mean losses."""
+    by_items = num_items is not None
+    if by_items:
+        checks.check_num_items(num_items)
+    if window.done and by_items is not window.by_items:
+        msg = (
+            f"microstep {window.done + 1} of this window "
+            f"{'passes' if by_items else 'omits'} num_items but the window's first "
+            f"microstep did {'not' if by_items else 'so'}; pass num_items on every "
+            "microstep of a window or on none"
+        )
+        raise UsageError(msg)
 
 
 def prepare_boundary(acc: Accumulator) -> Step:

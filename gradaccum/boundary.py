@@ -84,12 +84,12 @@ class Params:
         """Every optimizer's parameters as they are now, each once, in order."""
         # An optimizer's groups change by add_param_group (one more) or a new list
         # (load_state_dict): the list's identity and length tell.
-        seen = self._groups
-        if self._one is not None:
-            groups = self._one.param_groups
+        one = self._one
+        if one is not None:
+            groups = one.param_groups
             if groups is self._one_groups and len(groups) == self._one_count:
                 return self._list
-        elif seen and all(
+        elif (seen := self._groups) and all(
             optimizer.param_groups is groups and len(groups) == length
             for optimizer, (groups, length) in zip(self._optimizers, seen, strict=True)
         ):

@@ -1,7 +1,8 @@
 """The hook gradaccum puts on the user's model while an accumulator is open: one
-``always_call`` forward hook, which tells its listeners that a forward ran (a wrapper
-that decides in its forward whether the backward communicates records what it decided)
-or that it raised (a forward's collective that fails because another rank did).
+``always_call`` forward hook, which tells its listeners that a forward ran (a sync
+strategy that overrides `SyncStrategy.forward_done`) or that it raised (on several ranks,
+where the forward runs a collective: one that fails because another rank did). DDP needs
+no hook: what its last forward decided is read from DDP itself (`gradaccum.sync.DDPSync`).
 
 The model keeps its type and its attributes. The hook is a plain module-level function,
 registered once per model whatever the number of accumulators, and only while someone

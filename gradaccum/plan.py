@@ -189,9 +189,7 @@ class EpochPlan:
         self.position += 1
         self.pending = True
         self.remaining = remaining
-        if self.drop_last or remaining is None:  # (window_size, inline)
-            return steps
-        return min(steps, done + 1 + remaining)
+        return self.window_size(steps, done)
 
     def window_size(self, steps: int, done: int) -> int:
         """The size of the window that the microbatch handed out last belongs to, ``done``

@@ -54,8 +54,10 @@ class Stepper:
         self._where = where  # "microstep k of n" while a window is open, else None
         self._stepping = False
         self._unscaled = False
-        self._scheduled = [_last_epoch(scheduler) for scheduler in schedulers]
-        self._stepped = [(index, each) for index, each in enumerate(schedulers) if each is not None]
+        # [scheduler, its last_epoch after the accumulator's last step of it, or None]
+        self._scheduled: list[list[Any]] = [
+            [scheduler, _last_epoch(scheduler)] for scheduler in schedulers if scheduler is not None
+        ]
         self._hooks = [
             optimizer.register_step_pre_hook(self._foreign_step) for optimizer in optimizers
         ]
@@ -72,9 +74,11 @@ class Stepper:
     def learning_rates(self) -> tuple[float | torch.Tensor | None, ...]:
         """Each optimizer's learning rate as it is now (`learning_rate`), in order."""
         optimizers = self.optimizers
-        if len(optimizers) == 1:
-            return (learning_rate(optimizers[0]),)
-        return tuple(map(learning_rate, optimizers))
+        return (
+            (learning_rate(optimizers[0]),)
+            if len(optimizers) == 1
+            else tuple(map(learning_rate, optimizers))
+        )
 
     def apply(self, skip: bool) -> bool:
         """Step every optimizer (through the scaler), then every scheduler, and clear the
@@ -105,13 +109,12 @@ class Stepper:
                 skip = scaler.get_scale() < scale  # it shrinks only on a skip
             if not skip:
                 self.applied = True
-                scheduled = self._scheduled
-                for index, scheduler in self._stepped:
-                    last = scheduled[index]
-                    if last is not None and getattr(scheduler, "last_epoch", None) != last:
+                for record in self._scheduled:
+                    scheduler, last = record
+                    if last is not None and scheduler.last_epoch != last:
                         _warn_stepped(last, scheduler.last_epoch)
                     scheduler.step()
-                    scheduled[index] = _last_epoch(scheduler)
+                    record[1] = _last_epoch(scheduler)
         finally:
             self._stepping = False
         self.clear()
@@ -131,7 +134,8 @@ class Stepper:
 
     def reread_schedulers(self) -> None:
         """The schedulers' states may have been loaded: take their ``last_epoch`` as ours."""
-        self._scheduled = [None] * len(self.schedulers)
+        for record in self._scheduled:
+            record[1] = None
 
     def release(self, owner: object) -> None:
         """Remove the hooks; the optimizers are no longer owned by ``owner``."""

@@ -43,7 +43,7 @@ class Window:
         self.size, self.last = size, size - 1
         self.divisor = size
         self.by_items = False
-        self.losses: list[Any] = []
+        self.losses: list[Any] = []  # (a new list: the boundary's `Step` keeps the last)
         self.items: list[Any] = []
 
     def resize(self, size: int) -> None:
