@@ -227,3 +227,31 @@ def own_no_sync(rank: int, world: int, kind: str) -> dict[str, Any]:
         "error": error,
         "params": None if error else full_params(model, kind),
     }
+
+
+def forward_hooks(rank: int, world: int) -> dict[str, Any]:
+    """The forward hooks an open accumulator puts on a DDP model over several ranks: none
+    where the forward runs no collective (no buffers), the guard where it broadcasts
+    buffers; and whether two windows ran without a warning, equal on every rank."""
+    found: dict[str, Any] = {}
+    for name, buffers in (("no buffers", False), ("buffers", True)):
+        inner = make_model()
+        if buffers:
+            inner.register_buffer("running", torch.zeros(1, dtype=torch.float64))
+        model = wrap("ddp", inner)
+        acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", gradaccum.GradaccumWarning)
+            for batch in acc.epoch(rank_batches(rank, [2] * 4)):
+                hooks = len(model._forward_hooks) + len(model._forward_pre_hooks)
+                with acc.microstep(mean_loss(model, batch)):
+                    pass
+        acc.close()
+        found[name] = {
+            "hooks": hooks,
+            "after close": len(model._forward_hooks),
+            "warnings": [str(w.message) for w in caught],
+            "global_step": acc.global_step,
+            "params": full_params(model, "ddp"),
+        }
+    return found

@@ -264,3 +264,21 @@ def test_ddp_boundary_forward_under_a_no_sync_of_ones_own_is_caught_on_one_rank(
     (message,) = [str(w.message) for w in caught]
     assert "the forward of microstep 2 of 2 ran while DDP was set to defer" in message
     assert "not reduced over the ranks" in message
+
+
+def test_on_several_ranks_only_a_forward_that_communicates_is_hooked() -> None:
+    """2 DDP ranks: without buffers the model gets no hook (its forward keeps torch's fast
+    module call: DDP's decision is read from DDP itself); with buffers to broadcast, the
+    forward guard's one hook; both train alike on every rank, with no warning, and
+    close() takes the hook back."""
+    ranks = run(hooks_distributed.forward_hooks, 2)
+    for rank in ranks:
+        assert rank["no buffers"]["hooks"] == 0
+        assert rank["buffers"]["hooks"] == 1
+        for seen in rank.values():
+            assert seen["after close"] == 0
+            assert seen["warnings"] == []
+            assert seen["global_step"] == 2
+    for name in ("no buffers", "buffers"):
+        pairs = zip(ranks[0][name]["params"], ranks[1][name]["params"], strict=True)
+        assert all(torch.equal(p, q) for p, q in pairs)
