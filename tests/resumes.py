@@ -12,6 +12,7 @@ fresh objects that finish the run, and the final parameters must be equal.
 from __future__ import annotations
 
 import io
+import multiprocessing
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -84,10 +85,15 @@ class Run:
         if kind == "stateful":
             from torchdata.stateful_dataloader import StatefulDataLoader
 
-            # The gloo ranks are started by a forkserver, whose start method their workers
-            # inherit. (Forking them, as a torchrun script's DataLoader does on Linux, forks
-            # a process that runs gloo's threads: it hung this test 2 times in 20.)
-            self.loader: Any = StatefulDataLoader(data, num_workers=2, **options)
+            # The workers start from a forkserver that has imported torch and this module
+            # once: forking the rank itself, as a torchrun script's DataLoader does on
+            # Linux, forks a process that runs gloo's threads (it hung this test 2 times in
+            # 20), and a bare forkserver imports torch in every worker (8 times slower).
+            context = multiprocessing.get_context("forkserver")
+            context.set_forkserver_preload(["torch", "torchdata.stateful_dataloader", __name__])
+            self.loader: Any = StatefulDataLoader(
+                data, num_workers=2, multiprocessing_context=context, **options
+            )
         elif kind.startswith("persistent"):
             if kind == "persistent":
                 options.update(
