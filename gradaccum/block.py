@@ -88,9 +88,8 @@ class Microstep:
         plan = self.plan
         if plan.active:  # (a microstep outside the epoch uses no microbatch of it)
             plan.pending = False
-        if not window.done:  # the window opens: its divisor and mode are fixed
-            window.divisor = window.size
-            window.by_items = num_items is not None
+        if not window.done:
+            window.open(num_items is not None)
         elif self.watch:
             grads = self.grads
             param = grads.param
