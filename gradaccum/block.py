@@ -265,10 +265,7 @@ def clear_window(acc: Accumulator) -> None:
 
 
 def _next_window(acc: Accumulator) -> None:
-    grads = acc._grads
-    grads.param = grads.grad = None  # (GradWatch.stop, inline)
-    if grads.rest:
-        grads.rest = []
+    acc._grads.stop()
     acc._window.reset(acc._steps)
     block = acc._block
     block.idle = Step(False, acc._global_step)

@@ -249,8 +249,7 @@ class EpochPlan:
         next starts after its microbatches."""
         self.closed_at = self.position - self.pending
         self.by_items = by_items
-        if self.resume_at == 0:  # (_restored_window_ended, inline: once per window)
-            self.resume_at = None
+        self._restored_window_ended()
 
     def _restored_window_ended(self) -> None:
         # A load at an epoch's start resumes only to carry its open window into the next

@@ -48,7 +48,6 @@ class Stepper:
         where: Callable[[], str | None],
     ) -> None:
         self.optimizers = optimizers
-        self.schedulers = schedulers
         self.scaler = scaler
         self.applied = False
         self._where = where  # "microstep k of n" while a window is open, else None
