@@ -101,7 +101,8 @@ class GradWatch:
     def stop(self) -> None:
         """The window closed."""
         self.param = self.grad = None
-        self.rest = []
+        if self.rest:  # (most windows watch one gradient: no new list for them)
+            self.rest = []
 
 
 def _same(grad: torch.Tensor, other: torch.Tensor) -> bool:
