@@ -244,7 +244,7 @@ def child(loop: str, width: int, mode: str, setup: str, microsteps: int, library
         if setup == "ddp" and acc._strategy.forward_communicates:
             # The several-ranks path, as on many ranks: the forward guard where the
             # forward runs a collective (DDP with buffers to broadcast; not this MLP).
-            guard = hooks.watch(model, failed=acc._forward_failed)
+            guard = hooks.watch(model, failed=acc._block.forward_failed)
         run = lambda data: gradaccum_block(acc, mode, data)  # noqa: E731
     run(warm)
     gc.collect()

@@ -11,22 +11,21 @@ strategy (sync.py) and the hook on the model (hooks.py).
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeVar, get_args
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 from typing_extensions import Self
 
-from gradaccum import block, boundary, checkpoint, checks, epochs, faults, hooks, misuse, stepping
+from gradaccum import block, boundary, checkpoint, checks, epochs, misuse, stepping
 from gradaccum.checks import NonFinitePolicy
 from gradaccum.errors import ConfigTypeError, UsageError, describe, warn
 from gradaccum.plan import EpochPlan
 from gradaccum.ranks import Ranks
-from gradaccum.schedule import check_bool, check_steps
+from gradaccum.schedule import check_steps
 from gradaccum.step import Step
-from gradaccum.sync import LocalSync, SyncPolicy, SyncStrategy, strategy_for
-from gradaccum.window import Lifecycle, State, Window
+from gradaccum.sync import SyncPolicy, SyncStrategy, strategy_for
+from gradaccum.window import Lifecycle, Window
 
 __all__ = ["Accumulator", "Step"]
 
@@ -107,6 +106,8 @@ class Accumulator:
         2
     """
 
+    _strategy: SyncStrategy  # how the model communicates: taken by `block.Microstep.use`
+
     def __init__(
         self,
         model: nn.Module,
@@ -124,84 +125,43 @@ class Accumulator:
         scaler = checks.check_scaler(scaler)
         parts = checks.check_parts(model, optimizer, scheduler, scaler)
         steps = check_steps(steps)
-        self._options = _Options(
-            max_grad_norm=checks.check_max_grad_norm(max_grad_norm),
+        self._options = checks.check_options(
+            max_grad_norm=max_grad_norm,
             scaler=scaler,
-            drop_last=check_bool(drop_last, "drop_last"),
-            sync=checks.check_choice(sync, "sync", get_args(SyncPolicy)),
-            on_nonfinite=checks.check_on_nonfinite(on_nonfinite, scaler),
-            global_loss=check_bool(global_loss, "global_loss"),
-            # With several optimizers the scaler would skip each on its own: one check
-            # decides for all of them.
-            check_finite=on_nonfinite is not None
-            or (scaler is not None and len(parts.optimizers) > 1),
+            drop_last=drop_last,
+            sync=sync,
+            on_nonfinite=on_nonfinite,
+            global_loss=global_loss,
+            optimizers=len(parts.optimizers),
         )
         previous = _owners_between_windows(parts.optimizers)
         self.model = model
         strategy = self._strategy_for(steps)
         # Everything is validated: from here on the accumulator changes state.
-        for owner in previous:
-            owner._take_over()
+        _take_over(previous)
         self.optimizer, self.scheduler = optimizer, scheduler
         self.optimizers, self.schedulers = parts.optimizers, parts.schedulers
         self._steps = steps
         self._ranks = Ranks(strategy.group, parts.params[0].device)
         self._params = boundary.Params(parts.optimizers, model)
-        self._params.now()
         self._window = Window(steps)
         self._plan = EpochPlan(self._options.drop_last)
         self._grads = misuse.GradWatch()
         self._block = block.Microstep(self)
         self._life = Lifecycle(stopped=self._block.stop)
         self._global_step = self._skipped = 0
-        self._armed: bool | None = None  # what the strategy was last told
-        self._use(strategy)
+        self._block.use(strategy)
         for each in parts.optimizers:
             each.zero_grad(set_to_none=True)
         self._stepper = stepping.Stepper(
-            self, parts.optimizers, parts.schedulers, scaler, self._open_where
+            self, parts.optimizers, parts.schedulers, scaler, self._window.where_open
         )
-        # The hook on the model, only where something listens (hooks.py): a strategy that
-        # sees each forward, and a forward's collective failing under several ranks.
-        sees = type(strategy).forward_done is not SyncStrategy.forward_done
-        guards = self._ranks.count > 1 and strategy.forward_communicates
-        self._watch = (
-            hooks.watch(
-                model,
-                done=self._forward_done if sees else None,
-                failed=self._forward_failed if guards else None,
-            )
-            if sees or guards
-            else None
-        )
-        self._arm()
+        self._watch = self._block.watch_model()
+        self._block.arm()
 
     def _strategy_for(self, steps: int) -> SyncStrategy:
         # With steps=1 every microstep is a boundary: nothing is ever deferred.
         return strategy_for(self.model, "every" if steps == 1 else self._options.sync)
-
-    def _use(self, strategy: SyncStrategy) -> None:
-        """Take ``strategy``, and what it asks of the hot path (decided once, here)."""
-        self._strategy, self._armed = strategy, None
-        block = self._block
-        block.arms = type(strategy).arm is not LocalSync.arm  # a local module has nothing to arm
-        block.watch = strategy.grads_in_params
-        block.look = type(strategy).overridden is not SyncStrategy.overridden
-
-    def _arm(self) -> None:
-        """Arm the next backward before its forward: sync if the next microstep is the
-        boundary or the policy is "every"; the strategy is called only on a change."""
-        if not self._block.arms:
-            return
-        window = self._window
-        sync = window.done == window.last or self._options.sync == "every"
-        if sync is not self._armed:
-            self._armed = sync
-            self._strategy.arm(sync)
-
-    def _open_where(self) -> str | None:
-        """Where the open window stands ("microstep k of n"), or None between windows."""
-        return self._window.where() if self._window.is_open else None
 
     # Properties -------------------------------------------------------------------
 
@@ -238,11 +198,11 @@ class Accumulator:
         if (steps == 1) is not (self._steps == 1):  # the policy becomes, or stops being, "every"
             strategy = self._strategy_for(steps)  # may refuse: then nothing has changed
             self._strategy.restore()
-            self._use(strategy)
+            self._block.use(strategy)
         self._steps = steps
         self._plan.recut(steps)
         window.reset(self._plan.next_window_size(steps))
-        self._arm()
+        self._block.arm()
 
     @property
     def global_step(self) -> int:
@@ -315,23 +275,6 @@ class Accumulator:
             block.check_items(window, num_items)
         started.loss, started.num_items, started.busy = loss, num_items, True
         return started
-
-    def _forward_done(self) -> None:
-        """After each forward of the model (hooks.py), for a strategy that sees each one
-        (`SyncStrategy.forward_done`)."""
-        self._strategy.forward_done()
-
-    def _forward_failed(self, error: BaseException) -> None:
-        """A forward of the model raised, outside a microstep block (the block's exit sees an
-        error raised in it). This rank failed, or its collective did because another rank
-        had: ``model(x)`` runs outside any gradaccum call, so the error cannot be replaced
-        by a `RankFailedError` there; it gets that error's message as a note instead, and
-        the accumulator is broken with it."""
-        if self._window.in_block or self._life.state is not State.OPEN:
-            return
-        failed = block.fail(self, error, in_collectives=True)
-        if failed is not None:
-            faults.add_note(error, f"gradaccum.RankFailedError: {failed}")
 
     # Epochs -----------------------------------------------------------------------
 
@@ -467,26 +410,13 @@ class Accumulator:
         """Remove the optimizers' hooks and the model's, and restore any sync state set on
         the model: it is as it was."""
         self._life.close()
-        self._release()
-
-    def _take_over(self) -> None:
-        """A newer accumulator takes this one's optimizer: close this one, and say so."""
-        self._life.close(" (a newer Accumulator took over its optimizer)")
-        self._release()
-        warn(
-            "this Accumulator closed the previous Accumulator on the same optimizer (it was "
-            "between windows), and steps the optimizer from now on; close() an accumulator "
-            "when you are done with it"
-        )
-
-    def _release(self) -> None:
-        """Give back the optimizers and the model (once)."""
-        if self._stepper is not None:
-            self._stepper.release(self)
+        stepper = self._stepper
+        if stepper is not None:  # (given back once)
+            self._stepper = None  # type: ignore[assignment]
+            stepper.release(self)
             self._strategy.restore()
             if self._watch is not None:
                 self._watch.remove()
-            self._stepper = None  # type: ignore[assignment]
 
     def __enter__(self) -> Self:
         return self
@@ -501,19 +431,6 @@ class Accumulator:
             f"Accumulator({several}steps={self._steps}, global_step={self._global_step}, "
             f"window={self._window.done}/{self._window.size})"
         )
-
-
-@dataclass(frozen=True)
-class _Options:
-    """The validated keyword options that do not change after construction."""
-
-    max_grad_norm: float | None
-    scaler: torch.amp.GradScaler | None
-    drop_last: bool
-    sync: SyncPolicy
-    on_nonfinite: NonFinitePolicy | None
-    global_loss: bool
-    check_finite: bool  # the boundary checks the gradient for inf/NaN
 
 
 def _owners_between_windows(
@@ -538,3 +455,15 @@ def _owners_between_windows(
             raise UsageError(msg)
         previous.append(owner)
     return previous
+
+
+def _take_over(previous: list[Accumulator]) -> None:
+    """Close the accumulators whose optimizers a newer one takes, and say so."""
+    for owner in previous:
+        owner._life.close(" (a newer Accumulator took over its optimizer)")
+        owner.close()
+        warn(
+            "this Accumulator closed the previous Accumulator on the same optimizer (it was "
+            "between windows), and steps the optimizer from now on; close() an accumulator "
+            "when you are done with it"
+        )

@@ -13,9 +13,11 @@ from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
-from gradaccum import boundary, checks, faults
+from gradaccum import boundary, checks, faults, hooks
 from gradaccum.errors import NonFiniteError, RankFailedError, UsageError, warn
 from gradaccum.step import Step
+from gradaccum.sync import LocalSync, SyncStrategy
+from gradaccum.window import State
 
 if TYPE_CHECKING:
     from gradaccum.accumulator import Accumulator
@@ -40,11 +42,14 @@ class Microstep:
     `Step` until it exits; ``idle`` is what every other microstep of the window reports.
     ``busy`` refuses a new ``microstep()`` (a loss waits for its block, a block is open, or
     the accumulator is closed or broken: ``stopped``); the other attributes are what the
-    hot path reads, set when the accumulator takes a strategy (`Accumulator._use`).
+    hot path reads, decided when the accumulator takes a strategy (`use`), and what the
+    strategy was last armed with (``armed``).
     """
 
     __slots__ = (
+        "__weakref__",  # (the model's hook holds its listeners weakly: hooks.py)
         "acc",
+        "armed",
         "arms",
         "busy",
         "grads",
@@ -67,6 +72,7 @@ class Microstep:
         self.params = acc._params
         self.scaler = acc._options.scaler
         self.watch = self.look = self.arms = False
+        self.armed: bool | None = None
         self.busy = self.stopped = False
         self.loss: torch.Tensor | None = None
         self.num_items: int | torch.Tensor | None = None
@@ -76,6 +82,58 @@ class Microstep:
     def stop(self) -> None:
         """The accumulator takes no more microsteps (closed, or broken)."""
         self.busy = self.stopped = True
+
+    def use(self, strategy: SyncStrategy) -> None:
+        """The accumulator takes ``strategy``; what it asks of the hot path is decided once,
+        here."""
+        self.acc._strategy, self.armed = strategy, None
+        self.arms = type(strategy).arm is not LocalSync.arm  # a local module has nothing to arm
+        self.watch = strategy.grads_in_params
+        self.look = type(strategy).overridden is not SyncStrategy.overridden
+
+    def arm(self) -> None:
+        """Arm the next backward before its forward: sync if the next microstep is the
+        boundary or the policy is "every"; the strategy is called only on a change."""
+        if not self.arms:
+            return
+        window = self.window
+        sync = window.done == window.last or self.acc._options.sync == "every"
+        if sync is not self.armed:
+            self.armed = sync
+            self.acc._strategy.arm(sync)
+
+    def watch_model(self) -> hooks.Watch | None:
+        """The hook on the model, only where something listens (hooks.py): a strategy that
+        sees each forward, and a forward's collective failing under several ranks."""
+        acc = self.acc
+        strategy = acc._strategy
+        sees = type(strategy).forward_done is not SyncStrategy.forward_done
+        guards = acc._ranks.count > 1 and strategy.forward_communicates
+        if not (sees or guards):
+            return None
+        return hooks.watch(
+            acc.model,
+            done=self.forward_done if sees else None,
+            failed=self.forward_failed if guards else None,
+        )
+
+    def forward_done(self) -> None:
+        """After each forward of the model, for a strategy that sees each one
+        (`SyncStrategy.forward_done`)."""
+        self.acc._strategy.forward_done()
+
+    def forward_failed(self, error: BaseException) -> None:
+        """A forward of the model raised, outside a microstep block (the block's exit sees an
+        error raised in it). This rank failed, or its collective did because another rank
+        had: ``model(x)`` runs outside any gradaccum call, so the error cannot be replaced
+        by a `RankFailedError` there; it gets that error's message as a note instead, and
+        the accumulator is broken with it."""
+        acc = self.acc
+        if self.window.in_block or acc._life.state is not State.OPEN:
+            return
+        failed = fail(acc, error, in_collectives=True)
+        if failed is not None:
+            faults.add_note(error, f"gradaccum.RankFailedError: {failed}")
 
     def __enter__(self) -> Step:
         loss = self.loss
@@ -142,7 +200,7 @@ class Microstep:
         if step is None and error is None:
             window.done += 1
             if self.arms and window.done == window.last:
-                self.acc._arm()
+                self.arm()
             return
         self.step = None
         if error is not None:
@@ -270,7 +328,7 @@ def _next_window(acc: Accumulator) -> None:
     block = acc._block
     block.idle = Step(False, acc._global_step)
     if block.arms:
-        acc._arm()
+        block.arm()
 
 
 def fail(

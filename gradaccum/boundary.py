@@ -38,10 +38,10 @@ __all__ = [
 class Params:
     """The optimizers' parameters, cached until their groups change.
 
-    `now` checks the groups (each optimizer's list of them, by identity and length: a few
-    reads) and, when they changed, works out again the list, its order in the model, its
-    grouping by device and dtype and where a wipe is watched; `ordered`, `grads_by_kind`
-    and `watched` read what `now` made.
+    Worked out when made; `now` checks the groups (each optimizer's list of them, by
+    identity and length: a few reads) and, when they changed, works out again the list,
+    its order in the model, its grouping by device and dtype and where a wipe is watched;
+    `ordered`, `grads_by_kind` and `watched` read what `now` made.
 
     Attributes:
         first: The one gradient that every wipe reaches, where there is one (one
@@ -79,6 +79,7 @@ class Params:
         ] = []
         self._watched: list[list[torch.Tensor]] = []
         self.first: torch.Tensor | None = None
+        self._work_out()
 
     def now(self) -> list[torch.Tensor]:
         """Every optimizer's parameters as they are now, each once, in order."""

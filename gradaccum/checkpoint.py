@@ -126,7 +126,7 @@ def load(
         window.items, window.losses = list(saved.window.items), list(saved.window.losses)
         if acc._block.watch:
             acc._grads.start(acc._params.first, acc._params.watched())
-        acc._arm()
+        acc._block.arm()
 
 
 def _check_grads_in_params(acc: Accumulator, refused: str) -> None:

@@ -15,15 +15,18 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 from gradaccum import foreign
 from gradaccum.boundary import params_of
 from gradaccum.errors import ConfigError, ConfigTypeError, describe
-from gradaccum.schedule import check_count
+from gradaccum.schedule import check_bool, check_count
+from gradaccum.sync import SyncPolicy
 
 __all__ = [
     "NonFinitePolicy",
+    "Options",
     "Parts",
     "check_choice",
     "check_max_grad_norm",
     "check_num_items",
     "check_on_nonfinite",
+    "check_options",
     "check_parts",
     "check_scaler",
     "refuse_loss",
@@ -279,6 +282,47 @@ def _refuse_closure_optimizer(optimizer: torch.optim.Optimizer, name: str) -> No
             "use one whose step() takes no argument (SGD, Adam, ...) or step it yourself"
         )
         raise ConfigError(msg)
+
+
+@dataclass(frozen=True)
+class Options:
+    """An `Accumulator`'s validated keyword options, fixed at construction.
+
+    Attributes:
+        check_finite: The boundary checks the gradient for inf/NaN: asked for with
+            ``on_nonfinite``, and with a GradScaler and several optimizers (the scaler
+            would skip each on its own: one check decides for all of them).
+    """
+
+    max_grad_norm: float | None
+    scaler: torch.amp.GradScaler | None
+    drop_last: bool
+    sync: SyncPolicy
+    on_nonfinite: NonFinitePolicy | None
+    global_loss: bool
+    check_finite: bool
+
+
+def check_options(
+    *,
+    max_grad_norm: object,
+    scaler: torch.amp.GradScaler | None,
+    drop_last: object,
+    sync: SyncPolicy,
+    on_nonfinite: NonFinitePolicy | None,
+    global_loss: object,
+    optimizers: int,
+) -> Options:
+    """Check the keyword options (``scaler`` checked already; ``optimizers``: how many)."""
+    return Options(
+        max_grad_norm=check_max_grad_norm(max_grad_norm),
+        scaler=scaler,
+        drop_last=check_bool(drop_last, "drop_last"),
+        sync=check_choice(sync, "sync", get_args(SyncPolicy)),
+        on_nonfinite=check_on_nonfinite(on_nonfinite, scaler),
+        global_loss=check_bool(global_loss, "global_loss"),
+        check_finite=on_nonfinite is not None or (scaler is not None and optimizers > 1),
+    )
 
 
 def check_choice(value: T, name: str, choices: tuple[object, ...]) -> T:

@@ -143,7 +143,7 @@ def _hand_out(acc: Accumulator, remaining: int | None) -> None:
     size = acc._plan.hand_out(remaining, acc._steps, window.done)
     if size != window.size:
         window.resize(size)
-        acc._arm()
+        acc._block.arm()
 
 
 def _end(acc: Accumulator, *, guard: bool) -> None:
@@ -171,7 +171,7 @@ def unplanned_window(acc: Accumulator) -> None:
     trailing window's size, planned for the epoch, does not carry over."""
     if not acc._window.is_open:
         acc._window.reset(acc._steps)
-        acc._arm()
+        acc._block.arm()
 
 
 def _length(iterable: Iterable[Any]) -> int | None:

@@ -69,6 +69,10 @@ class Window:
         """The microstep now due, for messages: ``"microstep 2 of 4"``."""
         return f"microstep {self.done + 1} of {self.size}"
 
+    def where_open(self) -> str | None:
+        """`where` while the window is open, else None (between windows)."""
+        return self.where() if self.is_open else None
+
 
 class State(enum.Enum):
     """Whether an accumulator takes calls."""

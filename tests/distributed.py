@@ -288,7 +288,6 @@ def verify_rows_with_late_arming(rank: int, world: int) -> Any:
     """verify's DDP rows, with the accumulator patched to arm each microstep in its
     backward, after DDP's forward has already decided: the bug verify must catch."""
     from gradaccum import verify
-    from gradaccum.accumulator import Accumulator
     from gradaccum.block import Microstep
 
     enter = Microstep.__enter__
@@ -298,7 +297,7 @@ def verify_rows_with_late_arming(rank: int, world: int) -> Any:
         acc._strategy.arm(acc.sync_gradients or acc._options.sync == "every")
         return enter(self)
 
-    Accumulator._arm = lambda self: None  # type: ignore[method-assign]
+    Microstep.arm = lambda self: None  # type: ignore[method-assign]
     Microstep.__enter__ = arm_then_enter  # type: ignore[method-assign]
     return verify._rank_rows(rank, world, "DDP", [4], "late arming")
 
