@@ -262,6 +262,17 @@ def child(loop: str, width: int, mode: str, setup: str, microsteps: int, library
 
 def count(loop: str, width: int, mode: str, setup: str, microsteps: int, library: Path) -> float:
     """Instructions per microstep of one cell, from its own process under callgrind."""
+    child_args = [loop, str(width), mode, setup, str(microsteps), str(library)]
+    return callgrind(Path(__file__), child_args, microsteps)
+
+
+def callgrind(script: Path, child_args: list[str], microsteps: int, layout: int = 0) -> float:
+    """Instructions per microstep of ``script --child *child_args`` under callgrind,
+    counted between its client requests.
+
+    ``layout`` pads the child's environment by ``layout`` kB: another layout of its heap
+    when the timed block starts, which moves the C allocator's share of the count (a
+    count repeats exactly for the same layout)."""
     with tempfile.TemporaryDirectory() as directory:
         out = Path(directory) / "callgrind.out"
         command = [
@@ -271,21 +282,20 @@ def count(loop: str, width: int, mode: str, setup: str, microsteps: int, library
             "--collect-atstart=no",
             f"--callgrind-out-file={out}",
             sys.executable,
-            __file__,
+            str(script),
             "--child",
-            loop,
-            str(width),
-            mode,
-            setup,
-            str(microsteps),
-            str(library),
+            *child_args,
         ]
-        env = os.environ | {"PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
+        env = os.environ | {
+            "PYTHONHASHSEED": "0",
+            "OMP_NUM_THREADS": "1",
+            "GRADACCUM_LAYOUT": "x" * (1024 * layout),
+        }
         subprocess.run(command, check=True, env=env, capture_output=True)
         for line in out.read_text().splitlines():
             if line.startswith("totals:"):  # ("summary:" counts what was not collected)
                 return int(line.split()[1]) / microsteps
-    msg = f"callgrind wrote no total for {loop} {width} {mode} {setup}"
+    msg = f"callgrind wrote no total for {script.name} {' '.join(child_args)}"
     raise RuntimeError(msg)
 
 
