@@ -66,19 +66,18 @@ class Params:
     def __init__(self, optimizers: tuple[torch.optim.Optimizer, ...], model: nn.Module) -> None:
         self._optimizers = optimizers
         self._model = model
-        self._groups: list[tuple[list[dict[str, Any]], int]] = []
         self._one = optimizers[0] if len(optimizers) == 1 else None
         self._one_groups: list[dict[str, Any]] | None = None
         self._one_count = 0
-        self._list: list[torch.Tensor] = []
-        self._ordered: list[torch.Tensor] = []
+        # Set by `_work_out`, here and whenever the groups change:
+        self._groups: list[tuple[list[dict[str, Any]], int]]
+        self._list: list[torch.Tensor]
+        self._ordered: list[torch.Tensor]
         # (device, dtype, parameters, the dtype a factor is multiplied in, and whether a
         # Python scalar factor is multiplied in the gradient's own dtype)
-        self._by_kind: list[
-            tuple[torch.device, torch.dtype, list[torch.Tensor], torch.dtype, bool]
-        ] = []
-        self._watched: list[list[torch.Tensor]] = []
-        self.first: torch.Tensor | None = None
+        self._by_kind: list[tuple[torch.device, torch.dtype, list[torch.Tensor], torch.dtype, bool]]
+        self._watched: list[list[torch.Tensor]]
+        self.first: torch.Tensor | None
         self._work_out()
 
     def now(self) -> list[torch.Tensor]:
