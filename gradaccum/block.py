@@ -96,8 +96,7 @@ class Microstep:
         boundary or the policy is "every"; the strategy is called only on a change."""
         if not self.arms:
             return
-        window = self.window
-        sync = window.done == window.last or self.acc._options.sync == "every"
+        sync = self.window.next_is_boundary or self.acc._options.sync == "every"
         if sync is not self.armed:
             self.armed = sync
             self.acc._strategy.arm(sync)
