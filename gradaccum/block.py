@@ -203,6 +203,8 @@ class Microstep:
             return
         self.step = None
         if error is not None:
+            if step is not None and self.scaler is not None:
+                _note_unscaled_already(error)
             fail(self.acc, error)
         elif step is not None:
             apply(self.acc, step)
@@ -275,6 +277,9 @@ def prepare_boundary(acc: Accumulator) -> Step:
         ranks.count == 1 and (by_items or options.global_loss),
         totals,
     )
+    grads = acc._grads
+    if grads.param is None:  # a window of one microstep, or a wrapping not watched before
+        grads.start(params.first, params.watched())
     if options.check_finite and not boundary.all_finite(listed, norm, ranks):
         if options.on_nonfinite == "raise":
             msg = (
@@ -290,7 +295,10 @@ def prepare_boundary(acc: Accumulator) -> Step:
 
 def apply(acc: Accumulator, step: Step) -> None:
     """Leaving the boundary's block: step (or skip) the window and count it; a failure in
-    the stepping counts the window only if the optimizers stepped."""
+    the stepping counts the window only if the optimizers stepped; a window whose
+    gradient was dropped in the block is refused (`_dropped_in_block`)."""
+    if not step.skipped and acc._grads.dropped():
+        _dropped_in_block(acc, step)
     stepper = acc._stepper
     try:
         step.skipped = skipped = stepper.apply(step.skipped)
@@ -400,6 +408,37 @@ def _wiped_or_changed(block: Microstep, change: str) -> None:
     error = UsageError(msg)
     fail(block.acc, error)
     raise error
+
+
+def _dropped_in_block(acc: Accumulator, step: Step) -> None:
+    """A watched gradient was dropped in the boundary's block: refused (the window is
+    discarded; raises) where every parameter of an optimizer, or of the model, lost its
+    gradient, as ``zero_grad()`` leaves them; a gradient set to None by hand, its
+    parameter left out of this update, is not refused."""
+    if not any(all(p.grad is None for p in params) for params in acc._params.watched()):
+        return
+    msg = (
+        f"the gradient of window {step.global_step} was cleared inside its boundary block, "
+        "by optimizer.zero_grad() or model.zero_grad(), before the accumulator's optimizer "
+        "step, so nothing was applied (the window is discarded); remove that call: leaving "
+        "the boundary block steps the optimizer, then clears the gradients"
+    )
+    error = UsageError(msg)
+    fail(acc, error)
+    raise error
+
+
+def _note_unscaled_already(error: BaseException) -> None:
+    """The AMP recipe's ``scaler.unscale_(optimizer)``, kept in the boundary's block before
+    a clip of the user's own, fails in torch ("already been called"): the accumulator
+    unscaled the window's gradient before the block. Say so beside torch's message."""
+    if isinstance(error, RuntimeError) and "unscale_() has already been called" in str(error):
+        faults.add_note(
+            error,
+            "gradaccum: the Accumulator's scaler unscales the window's gradient before "
+            "the boundary's block runs, so the gradient there is unscaled already; remove "
+            "the scaler.unscale_(optimizer) call (clip in the block, or pass max_grad_norm=)",
+        )
 
 
 def _warn_overridden(acc: Accumulator, actual: bool) -> None:

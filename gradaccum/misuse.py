@@ -31,6 +31,9 @@ class GradWatch:
     wipe (DDP re-points ``param.grad`` at rebuilt buckets after its first all-reducing
     backward with ``gradient_as_bucket_view=True``). Only where a deferred window's
     gradient is ``param.grad`` (a plain module, DDP); a few attribute reads a microstep.
+    At the boundary, under any wrapping, the complete gradient is ``param.grad``: the
+    watch is started there if it was not, so that a ``zero_grad()`` in the boundary's
+    block, before the step, is caught (`dropped`).
     """
 
     __slots__ = ("grad", "param", "rest", "version")
@@ -97,6 +100,15 @@ class GradWatch:
             now.append((param, grad, version))
         (self.param, self.grad, self.version), *self.rest = now
         return found
+
+    def dropped(self) -> bool:
+        """A watched gradient was dropped since the watch started (a ``zero_grad()``, whose
+        default ``set_to_none=True`` drops it); no host sync. Read at the boundary, once
+        the window's gradient is complete."""
+        param = self.param
+        if param is None:
+            return False
+        return param.grad is None or any(other.grad is None for other, _, _ in self.rest)
 
     def stop(self) -> None:
         """The window closed."""

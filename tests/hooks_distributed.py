@@ -255,3 +255,31 @@ def forward_hooks(rank: int, world: int) -> dict[str, Any]:
             "params": full_params(model, "ddp"),
         }
     return found
+
+
+def boundary_zero_grad(rank: int, world: int, kind: str) -> dict[str, Any]:
+    """A leftover ``optimizer.zero_grad()`` in the boundary's block, on every rank: the
+    error each rank raised leaving the block, whether the optimizer stepped, and whether
+    the parameters are still those it started with."""
+    model = wrap(kind, make_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = full_params(model, kind)
+    stepped: list[None] = []
+    optimizer.register_step_post_hook(lambda *_: stepped.append(None))
+    acc = gradaccum.Accumulator(model, optimizer, steps=2)
+    error = None
+    try:
+        for batch in acc.epoch(rank_batches(rank, [2] * 4)):
+            with acc.microstep(mean_loss(model, batch)) as step:
+                if step.boundary:
+                    optimizer.zero_grad()
+    except gradaccum.UsageError as refused:
+        error = f"{type(refused).__name__}: {refused}"
+    acc.close()
+    after = full_params(model, kind)
+    return {
+        "error": error,
+        "stepped": len(stepped),
+        "global_step": acc.global_step,
+        "unchanged": all(torch.equal(p, q) for p, q in zip(before, after, strict=True)),
+    }

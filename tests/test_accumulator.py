@@ -363,6 +363,81 @@ class TestMisuseThatLosesData:
         assert all(p.grad is None for p in model.parameters())
         assert repr(acc) == "Accumulator(steps=3, global_step=0, window=0/3)"
 
+    @pytest.mark.parametrize("steps", [1, 3])
+    @pytest.mark.parametrize("caller", ["optimizer", "model"])
+    def test_zero_grad_in_the_boundary_block_is_refused(self, caller: str, steps: int) -> None:
+        """7a: the habit of a plain loop, ``zero_grad()`` beside the ``optimizer.step()``
+        that was deleted, left in the boundary's block: it clears the window's gradient
+        before the accumulator steps, so the update would silently be lost. Leaving the
+        block raises UsageError naming it; nothing is applied (no optimizer or scheduler
+        step), the window is discarded, and the run goes on as if it had not been."""
+        reference = build(steps)
+        train(reference, BATCHES[steps : 3 * steps])
+        model, optimizer, scheduler, acc = parts = build(steps)
+        taken = count_steps(optimizer)
+        epoch = acc.epoch(BATCHES[: 3 * steps])
+        for _ in range(steps - 1):
+            step_once(acc, mean_loss(model, next(epoch)))
+
+        def boundary_with_zero_grad() -> None:
+            with acc.microstep(mean_loss(model, next(epoch))) as step:
+                assert step.boundary
+                (optimizer if caller == "optimizer" else model).zero_grad()
+
+        with pytest.raises(gradaccum.UsageError, match="inside its boundary block"):
+            boundary_with_zero_grad()
+        assert (taken, acc.global_step, scheduler.last_epoch) == ([], 0, 0)
+        assert all(p.grad is None for p in model.parameters())
+        assert repr(acc) == f"Accumulator(steps={steps}, global_step=0, window=0/{steps})"
+        for batch in epoch:
+            step_once(acc, mean_loss(model, batch))
+        assert_same_run(parts, reference)
+
+    def test_zero_grad_of_the_second_optimizer_in_the_boundary_block_is_refused(self) -> None:
+        """7a: with two optimizers, the second's ``zero_grad()`` in the boundary's block
+        clears only its own share of the gradient; that is refused too, and neither
+        optimizer steps."""
+        model = make_model()
+        weights = [p for name, p in model.named_parameters() if "bias" not in name]
+        biases = [p for name, p in model.named_parameters() if "bias" in name]
+        first = torch.optim.SGD(weights, lr=LR)
+        second = torch.optim.SGD(biases, lr=LR)
+        taken = count_steps(first) + count_steps(second)
+        acc = gradaccum.Accumulator(model, [first, second], steps=2)
+        before = [p.detach().clone() for p in model.parameters()]
+        step_once(acc, mean_loss(model, BATCHES[0]))
+
+        def boundary_with_zero_grad() -> None:
+            with acc.microstep(mean_loss(model, BATCHES[1])):
+                second.zero_grad()
+
+        with pytest.raises(gradaccum.UsageError, match="inside its boundary block"):
+            boundary_with_zero_grad()
+        assert taken == []
+        assert acc.global_step == 0
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+        acc.close()
+
+    def test_a_gradient_dropped_by_hand_in_the_boundary_block_is_no_zero_grad(self) -> None:
+        """A gradient set to None in the boundary's block, leaving its parameter out of
+        this update, is not taken for a ``zero_grad()``: the window steps the others, as
+        the hand loop does, with no warning."""
+        hand = make_model()
+        hand_optimizer = torch.optim.SGD(hand.parameters(), lr=LR)
+        for batch in BATCHES[:2]:
+            (mean_loss(hand, batch) / 2).backward()
+        first = next(hand.parameters())
+        first.grad = None
+        hand_optimizer.step()
+        model = make_model()
+        acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=LR), steps=2)
+        step_once(acc, mean_loss(model, BATCHES[0]))
+        with acc.microstep(mean_loss(model, BATCHES[1])):
+            next(model.parameters()).grad = None
+        assert acc.global_step == 1
+        assert_params_equal(model, hand)
+        acc.close()
+
     def test_second_accumulator_on_an_open_window_is_refused(self) -> None:
         """7b: a second Accumulator on an optimizer whose owner has an open window raises
         UsageError ("owned by"); the open window is kept and completes as if untouched."""

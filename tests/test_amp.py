@@ -86,3 +86,29 @@ def test_exception_after_unscale_leaves_the_scaler_usable() -> None:
             pass
     assert acc.global_step == 2
     assert scaler.get_scale() == 2.0**10
+
+
+def test_the_recipes_own_unscale_in_the_boundary_block_is_explained() -> None:
+    """The AMP recipe's ``scaler.unscale_(optimizer)`` before a clip of one's own, kept in
+    the boundary's block: torch refuses a second unscale, and the error says why (the
+    accumulator unscaled already) and what to remove; nothing is applied."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    model = make_model(dtype=torch.float32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, optimizer, steps=2, scaler=scaler)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def the_recipe() -> None:
+        for batch in acc.epoch(make_batches([2] * 4, dtype=torch.float32)):
+            with acc.microstep(mean_loss(model, batch)) as step:
+                if step.boundary:
+                    scaler.unscale_(optimizer)
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+
+    with pytest.raises(RuntimeError, match="already been called") as raised:
+        the_recipe()
+    notes = getattr(raised.value, "__notes__", [])
+    assert len(notes) == 1
+    assert "remove the scaler.unscale_(optimizer) call" in notes[0]
+    assert acc.global_step == 0
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))

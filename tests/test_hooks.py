@@ -282,3 +282,14 @@ def test_on_several_ranks_only_a_forward_that_communicates_is_hooked() -> None:
     for name in ("no buffers", "buffers"):
         pairs = zip(ranks[0][name]["params"], ranks[1][name]["params"], strict=True)
         assert all(torch.equal(p, q) for p, q in pairs)
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fully_shard"])
+def test_zero_grad_in_the_boundary_block_is_refused_on_every_rank(kind: str) -> None:
+    """``optimizer.zero_grad()`` left in the boundary's block on 2 ranks (DDP, whose
+    window's gradient is ``param.grad`` throughout, and ``fully_shard``, whose is only at
+    the boundary): each rank refuses it leaving the block, before any optimizer step, so
+    the parameters are as they started."""
+    for rank in run(hooks_distributed.boundary_zero_grad, 2, kind):
+        assert "inside its boundary block" in (rank["error"] or "")
+        assert (rank["stepped"], rank["global_step"], rank["unchanged"]) == (0, 0, True)
