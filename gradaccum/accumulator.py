@@ -242,8 +242,8 @@ class Accumulator:
         Args:
             loss: The microbatch's 0-dim loss: its mean, or its sum with ``num_items``.
             num_items: With a summed ``loss``, the items (tokens) it sums over; the
-                window's gradient is divided by the window's total items. An int or a
-                0-dim tensor, read without host synchronization.
+                window's gradient is divided by the window's total items: an int (NumPy's
+                too) or a 0-dim tensor, read without host synchronization.
 
         Returns:
             A context manager whose ``__enter__`` runs the backward and returns the
@@ -272,7 +272,7 @@ class Accumulator:
         if (num_items is not None or window.by_items) and not (
             type(num_items) is int and num_items >= 0 and (window.by_items or not window.done)
         ):  # (an int count in an item window needs no more)
-            block.check_items(window, num_items)
+            num_items = block.check_items(window, num_items)
         started.loss, started.num_items, started.busy = loss, num_items, True
         return started
 

@@ -230,11 +230,11 @@ def refuse(acc: Accumulator) -> NoReturn:
     raise UsageError(msg)
 
 
-def check_items(window: Window, num_items: int | torch.Tensor | None) -> None:
-    """Refuse a bad ``num_items``, or a window that mixes it with mean losses."""
-    by_items = num_items is not None
-    if by_items:
-        checks.check_num_items(num_items)
+def check_items(window: Window, num_items: object) -> int | torch.Tensor | None:
+    """Refuse a bad ``num_items``, or a window that mixes it with mean losses; return it
+    as the window keeps it (`checks.check_num_items`)."""
+    kept = None if num_items is None else checks.check_num_items(num_items)
+    by_items = kept is not None
     if window.done and by_items is not window.by_items:
         msg = (
             f"microstep {window.done + 1} of this window "
@@ -243,6 +243,7 @@ def check_items(window: Window, num_items: int | torch.Tensor | None) -> None:
             "microstep of a window or on none"
         )
         raise UsageError(msg)
+    return kept
 
 
 def prepare_boundary(acc: Accumulator) -> Step:

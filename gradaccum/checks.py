@@ -388,10 +388,12 @@ def refuse_loss(loss: object) -> None:
         raise ConfigError(msg)
 
 
-def check_num_items(num_items: object) -> None:
+def check_num_items(num_items: object) -> int | torch.Tensor:
+    """Return ``num_items`` as the window keeps it: a 0-dim tensor, or an int (a NumPy
+    integer becomes one)."""
     if isinstance(num_items, torch.Tensor):
         if num_items.dim() != 0:
             msg = f"num_items must be a 0-dim tensor, got shape {tuple(num_items.shape)}"
             raise ConfigError(msg)
-        return
-    check_count(num_items, "num_items")
+        return num_items
+    return check_count(num_items, "num_items")

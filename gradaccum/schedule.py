@@ -5,6 +5,7 @@ Nothing here imports torch, so trainers and launchers can use it on their own.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 
 from gradaccum.errors import ConfigError, ConfigTypeError, describe
@@ -45,10 +46,11 @@ def check_bool(value: object, name: str) -> bool:
 
 
 def check_count(value: object, name: str) -> int:
-    """Return ``value`` if it is an int >= 0, else raise naming ``name`` and the value.
+    """Return ``value`` as an int if it is an integer >= 0 (a NumPy one too), else raise
+    naming ``name`` and the value.
 
     Raises:
-        ConfigTypeError: ``value`` is not an int (bools are refused).
+        ConfigTypeError: ``value`` is not an integer (bools are refused).
         ConfigError: ``value`` is negative.
     """
     return _check_int(value, name, "a non-negative int", 0, "")
@@ -60,13 +62,15 @@ def check_positive(value: object, name: str) -> int:
 
 
 def _check_int(value: object, name: str, expected: str, minimum: int, fix: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
+    # Any integer type is an int here (a NumPy count from a collate function), as a
+    # ``numbers.Integral``: not a bool, nor a tensor (whose value is not read).
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
         msg = f"{name} must be {expected}, got {describe(value)}{fix}"
         raise ConfigTypeError(msg)
     if value < minimum:
         msg = f"{name} must be {expected}, got {value}{fix}"
         raise ConfigError(msg)
-    return value
+    return int(value)
 
 
 def steps_per_epoch(n_batches: int, steps: int) -> int:

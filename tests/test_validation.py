@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import gradaccum
-from tests.helpers import make_batches, make_model, mean_loss
+from tests.helpers import make_batches, make_model, mean_loss, sum_loss
 
 MODEL = make_model()
 OPTIMIZER = torch.optim.SGD(MODEL.parameters(), lr=0.1)
@@ -98,4 +98,30 @@ def test_microstep_refuses_bad_arguments_before_backward(
     for fragment in fragments:
         assert fragment in str(caught.value)
     assert all(p.grad is None for p in MODEL.parameters())
+    acc.close()
+
+
+def test_numpy_integers_are_ints() -> None:
+    """A NumPy integer (a count from a collate function) is taken as the int it holds, for
+    ``num_items`` and for ``steps``: the same run as with ints, and what is reported is
+    an int; NumPy's bool is refused as a bool is."""
+    import numpy
+
+    runs = []
+    for integer in (int, numpy.int64, numpy.int32):
+        model = make_model()
+        acc = gradaccum.Accumulator(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), steps=integer(2)
+        )
+        for batch in acc.epoch(make_batches([2, 3, 1, 2])):
+            with acc.microstep(sum_loss(model, batch), num_items=integer(len(batch[0]))) as step:
+                pass
+        assert (type(acc.steps), type(step.num_items), step.num_items) == (int, int, 3)
+        runs.append([p.detach().clone() for p in model.parameters()])
+        acc.close()
+    for run in runs[1:]:
+        assert all(torch.equal(p, q) for p, q in zip(run, runs[0], strict=True))
+    acc = gradaccum.Accumulator(MODEL, OPTIMIZER, steps=2)
+    with pytest.raises(TypeError, match="num_items must be a non-negative int"):
+        acc.microstep(LOSS, numpy.bool_(True))
     acc.close()
