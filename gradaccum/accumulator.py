@@ -288,9 +288,9 @@ class Accumulator:
         After `load_state_dict` the first epoch resumes after the microbatches already
         trained, and cuts the rest into windows with the saved ``steps``. An iterable that
         restores its own position (``state_dict`` and ``load_state_dict``, as torchdata's
-        ``StatefulDataLoader``) resumes by its loaded state instead. A ``DataLoader`` over a
-        map-style dataset skips by its batch sampler's indices, loading no skipped
-        sample; any other iterable is drawn from and the trained microbatches dropped.
+        ``StatefulDataLoader``, and Accelerate's prepared one) resumes by its loaded state
+        instead. A ``DataLoader`` over a map-style dataset skips by its batch sampler's
+        indices, loading no skipped sample; from any other the trained ones are drawn, dropped.
 
         The epoch is planned when its iteration starts (the first ``next()``), with the
         ``steps`` set by then, and re-planned from each window's start after a change.

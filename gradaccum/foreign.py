@@ -7,6 +7,11 @@ Accelerate's own accumulation state says so, and the scheduler steps ``num_proce
 times per call unless ``split_batches=True``: under gradaccum, which decides the window
 itself, that schedule would run ``num_processes`` times too fast. So gradaccum steps the
 wrapped optimizer (``.optimizer``) and scheduler (``.scheduler``) itself, once per window.
+Its prepared DataLoader (a ``DataLoaderAdapter``) has ``state_dict`` and
+``load_state_dict`` methods whether or not the loader it wraps has them (only a
+``StatefulDataLoader``, with ``use_stateful_dataloader=True``, restores its position), so
+what it wraps is what says (`prepared_loader`).
+
 Detection is lazy: only a process that imported Accelerate can hold its objects.
 """
 
@@ -15,7 +20,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-__all__ = ["prepared_optimizer", "prepared_scheduler"]
+__all__ = ["prepared_loader", "prepared_optimizer", "prepared_scheduler"]
 
 
 def _accelerate_type(module: str, name: str) -> type | None:
@@ -43,3 +48,14 @@ def prepared_scheduler(scheduler: object) -> Any:
     if prepared is None or not isinstance(scheduler, prepared):
         return None
     return getattr(scheduler, "scheduler", None)
+
+
+def prepared_loader(iterable: object) -> Any:
+    """The loader that Accelerate's prepared DataLoader wraps (``DataLoaderShard``,
+    ``DataLoaderDispatcher``, ``SkipDataLoader``: its ``base_dataloader``), or None when
+    ``iterable`` is not one. (Such a loader claims DataLoader's ``__class__``; its real
+    type says what it is.)"""
+    prepared = _accelerate_type("accelerate.data_loader", "DataLoaderAdapter")
+    if prepared is None or not issubclass(type(iterable), prepared):
+        return None
+    return vars(iterable).get("base_dataloader")

@@ -124,12 +124,18 @@ class EpochPlan:
             if skip == 0:  # the whole epoch is ahead: the guard applies
                 check_epoch_length(length, steps, self.drop_last, discarded=False)
             elif self.length is not None and self.length != length:
+                skipped = (
+                    "an iterable that skips the trained microbatches itself (Accelerate's "
+                    "skip_first_batches: pass the whole epoch's, the accumulator skips), "
+                    if length == self.length - skip
+                    else ""
+                )
                 msg = (
                     f"the loaded state resumes at microbatch {skip} of an epoch of "
                     f"{self.length} microbatches (per rank), but this epoch has {length}: "
-                    "another batch size, another dataset, or the data sharded over another "
-                    "number of processes; resume with the data and batch size the state was "
-                    "saved with (a state saved between epochs may change them)"
+                    f"{skipped}another batch size, another dataset, or the data sharded over "
+                    "another number of processes; resume with the data and batch size the "
+                    "state was saved with (a state saved between epochs may change them)"
                 )
                 raise ConfigError(msg)
             elif skip > length:

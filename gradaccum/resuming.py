@@ -5,7 +5,9 @@ sampler's indices, or by drawing and dropping what was trained on already.
   ``load_state_dict``: torchdata's ``StatefulDataLoader``, the ``Stateful`` protocol of
   ``torch.distributed.checkpoint``) is not skipped for: its loaded state resumes it. Where
   its iterator reports how far into the epoch it stands (a DataLoader iterator's count of
-  batches yielded), that must be the accumulator's position.
+  batches yielded), that must be the accumulator's position. Accelerate's prepared
+  DataLoader has both methods whatever it wraps: it restores itself only over a
+  ``StatefulDataLoader`` (`gradaccum.foreign.prepared_loader`).
 - A ``torch.utils.data.DataLoader`` over a map-style dataset skips at the index level: its
   batch sampler's first batches are drawn as indices and dropped (a ``BatchSampler``'s by
   stepping over its sampler's indices, without building a batch), and the rest are loaded
@@ -29,6 +31,7 @@ from typing import Any, TypeVar
 
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
 
+from gradaccum import foreign
 from gradaccum.errors import ConfigError, ConfigTypeError, describe, warn
 from gradaccum.order import GlobalOrder
 
@@ -56,7 +59,11 @@ _IN_THE_BATCH_SAMPLER = ("batch_size", "shuffle", "sampler", "batch_sampler", "d
 
 def restores_own_position(iterable: object) -> bool:
     """The iterable saves and restores its own position in the epoch, so the accumulator
-    does not skip for it: it has ``state_dict`` and ``load_state_dict`` methods."""
+    does not skip for it: it has ``state_dict`` and ``load_state_dict`` methods (for
+    Accelerate's prepared DataLoader, which always has them, the loader it wraps)."""
+    wrapped = foreign.prepared_loader(iterable)
+    if wrapped is not None:
+        return restores_own_position(wrapped)
     return callable(getattr(iterable, "state_dict", None)) and callable(
         getattr(iterable, "load_state_dict", None)
     )

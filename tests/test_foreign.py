@@ -1,8 +1,10 @@
 """Accelerate's prepared optimizer and scheduler: unwrapped and stepped once per window, or
-refused with the object to pass (one process; 2 processes in tests/test_examples_accelerate.py)."""
+refused with the object to pass (one process; 2 processes in tests/test_examples_accelerate.py);
+its prepared DataLoader resumed mid-epoch."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 
 import pytest
@@ -95,3 +97,78 @@ def test_a_wrapper_that_is_no_working_optimizer_is_refused_with_the_object_to_pa
     assert "\n" not in message
     assert "optimizer is a Lookahead" in message
     assert "optimizer.optimizer (a SGD)" in message
+
+
+def resumed_mid_epoch(accelerator: object, stateful: bool, skip_by_hand: bool = False) -> bool:
+    """One epoch of 12 microbatches of a prepared DataLoader, windows of 2, saved after
+    the third window and resumed with fresh objects and a fresh prepared loader (with
+    ``stateful``, its own state loaded too): whether the resumed run ends with exactly the
+    parameters of the uninterrupted one."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    generator = torch.Generator().manual_seed(3)
+    data = TensorDataset(
+        torch.randn(24, 5, generator=generator, dtype=torch.float64),
+        torch.randn(24, 1, generator=generator, dtype=torch.float64),
+    )
+
+    def run(state: dict[str, object] | None) -> tuple[torch.nn.Module, dict[str, object]]:
+        model = make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        order = {"shuffle": True, "generator": torch.Generator().manual_seed(5)}
+        loader = DataLoader(data, batch_size=2, **({} if stateful else order))
+        loader = accelerator.prepare(loader)  # type: ignore[attr-defined]
+        acc = gradaccum.Accumulator(model, optimizer, steps=2)
+        if state is not None:
+            model.load_state_dict(state["model"])  # type: ignore[arg-type]
+            optimizer.load_state_dict(state["optimizer"])  # type: ignore[arg-type]
+            acc.load_state_dict(state["acc"])  # type: ignore[arg-type]
+            if stateful:
+                loader.load_state_dict(state["loader"])
+            if skip_by_hand:
+                loader = accelerator.skip_first_batches(loader, acc.position)  # type: ignore[attr-defined]
+        saved: dict[str, object] = {}
+        for batch in acc.epoch(loader):
+            with acc.microstep(mean_loss(model, batch)):
+                pass
+            if state is None and acc.global_step == 3 and not saved:
+                saved = {
+                    "model": {k: v.clone() for k, v in model.state_dict().items()},
+                    "optimizer": copy.deepcopy(optimizer.state_dict()),
+                    "acc": acc.state_dict(),
+                    "loader": copy.deepcopy(loader.state_dict()) if stateful else None,
+                }
+        acc.close()
+        return model, saved
+
+    whole, state = run(None)
+    resumed, _ = run(state)
+    pairs = zip(whole.parameters(), resumed.parameters(), strict=True)
+    return all(torch.equal(p, q) for p, q in pairs)
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")  # (torchdata's)
+@pytest.mark.parametrize("stateful", [False, True], ids=["DataLoaderShard", "stateful"])
+def test_a_prepared_dataloader_resumes_mid_epoch_exactly(
+    accelerator: object, stateful: bool
+) -> None:
+    """Accelerate's prepared DataLoader has ``state_dict`` and ``load_state_dict`` methods
+    whatever it wraps; only over a ``StatefulDataLoader`` (``use_stateful_dataloader=True``)
+    does it restore its position. Over a plain one the accumulator skips for it (it drew
+    the epoch's first microbatches again, and trained on them twice); over a stateful one
+    its own state resumes it. Both resume bit for bit."""
+    from accelerate.utils import DataLoaderConfiguration
+
+    if stateful:
+        accelerator = accelerate.Accelerator(
+            cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True)
+        )
+    assert resumed_mid_epoch(accelerator, stateful)
+
+
+def test_a_prepared_dataloader_skipped_by_hand_is_refused_naming_it(accelerator: object) -> None:
+    """Accelerate's resume recipe, ``accelerator.skip_first_batches(loader, n)``, kept beside
+    the accumulator's own resume: the epoch is short by the trained microbatches, and its
+    first ``next()`` refuses it, naming the recipe and the fix."""
+    with pytest.raises(gradaccum.ConfigError, match="skip_first_batches: pass the whole epoch"):
+        resumed_mid_epoch(accelerator, stateful=False, skip_by_hand=True)
