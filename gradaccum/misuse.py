@@ -108,7 +108,9 @@ class GradWatch:
         param = self.param
         if param is None:
             return False
-        return param.grad is None or any(other.grad is None for other, _, _ in self.rest)
+        if param.grad is None:
+            return True
+        return bool(self.rest) and any(other.grad is None for other, _, _ in self.rest)
 
     def stop(self) -> None:
         """The window closed."""
