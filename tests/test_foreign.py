@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -172,3 +173,53 @@ def test_a_prepared_dataloader_skipped_by_hand_is_refused_naming_it(accelerator:
     first ``next()`` refuses it, naming the recipe and the fix."""
     with pytest.raises(gradaccum.ConfigError, match="skip_first_batches: pass the whole epoch"):
         resumed_mid_epoch(accelerator, stateful=False, skip_by_hand=True)
+
+
+def test_accelerates_own_checkpoint_resumes_the_accumulator_mid_epoch(
+    tmp_path: Path,
+) -> None:
+    """Accelerate's checkpointing as its scripts use it: the accumulator registered with
+    ``accelerator.register_for_checkpointing``, ``save_state`` at a boundary mid-epoch of
+    the second epoch, ``load_state`` into fresh prepared objects (the prepared loader
+    shuffles by its own generator, seeded each epoch; the model has dropout, whose random
+    state Accelerate restores): the resumed run ends bit for bit where the whole one did."""
+    from accelerate.state import AcceleratorState, GradientState
+    from torch.utils.data import DataLoader, TensorDataset
+
+    generator = torch.Generator().manual_seed(3)
+    data = TensorDataset(
+        torch.randn(24, 5, generator=generator, dtype=torch.float64),
+        torch.randn(24, 1, generator=generator, dtype=torch.float64),
+    )
+
+    def run(load: bool) -> list[torch.Tensor]:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        accelerator = accelerate.Accelerator(cpu=True)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(5, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1)
+        ).double()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 0.9**k)
+        order = torch.Generator()
+        loader = DataLoader(data, batch_size=2, shuffle=True, generator=order)
+        model, optimizer, loader, scheduler = accelerator.prepare(
+            model, optimizer, loader, scheduler
+        )
+        acc = gradaccum.Accumulator(model, optimizer, scheduler, steps=2)
+        accelerator.register_for_checkpointing(acc)
+        if load:
+            accelerator.load_state(str(tmp_path))
+        for epoch in range(acc.epochs_completed, 2):
+            order.manual_seed(100 + epoch)
+            for batch in acc.epoch(loader):
+                with acc.microstep(mean_loss(model, batch)):
+                    pass
+                if not load and (epoch, acc.position) == (1, 6):  # between two windows
+                    accelerator.save_state(str(tmp_path))
+        acc.close()
+        return [p.detach().clone() for p in model.parameters()]
+
+    whole = run(load=False)
+    assert all(torch.equal(p, q) for p, q in zip(run(load=True), whole, strict=True))
