@@ -408,7 +408,8 @@ class Accumulator:
 
     def close(self) -> None:
         """Remove the optimizers' hooks and the model's, and restore any sync state set on
-        the model: it is as it was."""
+        the model: it is as it was. Refused (`UsageError`) inside a microstep's block."""
+        block.refuse_close(self._window)
         self._life.close()
         stepper = self._stepper
         if stepper is not None:  # (given back once)

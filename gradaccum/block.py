@@ -32,6 +32,7 @@ __all__ = [
     "fail",
     "prepare_boundary",
     "refuse",
+    "refuse_close",
 ]
 
 
@@ -228,6 +229,17 @@ def refuse(acc: Accumulator) -> NoReturn:
             "leave the first `with acc.microstep(...)` block before starting the next"
         )
     raise UsageError(msg)
+
+
+def refuse_close(window: Window) -> None:
+    """Refuse `Accumulator.close` inside a microstep's block: leaving the block still needs
+    the accumulator (the boundary's applies the window)."""
+    if window.in_block:
+        msg = (
+            "close() was called inside a microstep's `with` block; close the accumulator "
+            "after the block has exited (leaving the window's last block applies its update)"
+        )
+        raise UsageError(msg)
 
 
 def check_items(window: Window, num_items: object) -> int | torch.Tensor | None:

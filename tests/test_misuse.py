@@ -138,6 +138,26 @@ def test_closed_accumulator_refuses_and_releases_the_optimizer() -> None:
     assert "global_step=0" in repr(acc)
 
 
+@pytest.mark.parametrize("at", [0, 1])  # a microstep inside the window, and the boundary
+def test_close_inside_a_block_is_refused_and_the_window_goes_on(at: int) -> None:
+    """An early stop written as ``acc.close()`` inside a microstep's block: refused (leaving
+    the block still needs the accumulator; it failed inside gradaccum, or re-set DDP's flag
+    after close restored it), and nothing is changed: the window completes, applies as a
+    plain loop's does, and close() after the block releases everything."""
+    model, optimizer, _, acc = setup(steps=2)
+    batches = make_batches([2] * 2)
+    expected = reference_sgd(make_model(), [batches], lr=0.1)
+    for index, batch in enumerate(acc.epoch(batches)):
+        with acc.microstep(mean_loss(model, batch)):
+            if index == at:
+                with pytest.raises(gradaccum.UsageError, match="inside a microstep's"):
+                    acc.close()
+    assert acc.global_step == 1
+    assert max_param_diff(model, expected) < TOL
+    acc.close()
+    optimizer.step()  # the hook is gone
+
+
 def test_microstep_never_entered_is_refused() -> None:
     """acc.microstep(loss) without `with` would silently skip the backward: refused."""
     model, _, _, acc = setup(steps=2)
