@@ -32,7 +32,8 @@ class Stepper:
     optimizer's entry may be None). Each optimizer's step pre-hook refuses
     ``optimizer.step()`` by hand inside a window and warns about it between windows; a
     scheduler whose ``last_epoch`` moved between the accumulator's steps was stepped by
-    hand, which is reported at its next step.
+    hand, which is reported at its next step (before the accumulator's first step of it,
+    a move is a state loaded into it).
 
     Attributes:
         applied: The current window's optimizer steps have run (a scheduler step may
@@ -53,9 +54,11 @@ class Stepper:
         self._where = where  # "microstep k of n" while a window is open, else None
         self._stepping = False
         self._unscaled = False
-        # [scheduler, its last_epoch after the accumulator's last step of it, or None]
+        # [scheduler, its last_epoch after the accumulator's last step of it, or None:
+        # not stepped by it yet, so that a state loaded into the scheduler after the
+        # accumulator was built (a resume that keeps its own count) is no step by hand]
         self._scheduled: list[list[Any]] = [
-            [scheduler, _last_epoch(scheduler)] for scheduler in schedulers if scheduler is not None
+            [scheduler, None] for scheduler in schedulers if scheduler is not None
         ]
         self._hooks = [
             optimizer.register_step_pre_hook(self._foreign_step) for optimizer in optimizers

@@ -203,3 +203,30 @@ def test_a_refused_set_up_changes_nothing(build: Any, error: type[Exception]) ->
     assert all(not o._optimizer_step_pre_hooks for o in optimizers)
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
     gradaccum.Accumulator(model, optimizers, schedulers, steps=2).close()  # nobody owns them
+
+
+def test_a_scheduler_state_loaded_before_the_first_window_is_no_step_by_hand() -> None:
+    """A resume that keeps its own count: the accumulator is built, then the optimizer's
+    and the scheduler's states are loaded (``last_epoch`` 0 -> 5). No warning: the
+    accumulator takes the schedule as it finds it at its first step; a step by hand after
+    that is still reported."""
+    model, optimizers, schedulers = parts()
+    for _ in range(5):
+        optimizers[0].step()
+        schedulers[0].step()
+    saved = schedulers[0].state_dict()
+    model, optimizers, schedulers = parts()
+    acc = gradaccum.Accumulator(model, optimizers, schedulers, steps=1)
+    schedulers[0].load_state_dict(saved)
+    batches = make_batches([2] * 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gradaccum.GradaccumWarning)
+        with acc.microstep(mean_loss(model, batches[0])):
+            pass
+    assert schedulers[0].last_epoch == 6
+    schedulers[0].step()
+    with (
+        pytest.warns(gradaccum.GradaccumWarning, match="moved from 6 to 7"),
+        acc.microstep(mean_loss(model, batches[1])),
+    ):
+        pass
