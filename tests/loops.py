@@ -241,17 +241,27 @@ def two_optimizer_check(
 
 
 def metrics_loop(
-    model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, batches: Sequence[Batch]
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    batches: Sequence[Batch],
+    *,
+    all_reduced: bool = False,
+    forward_inside: bool = True,
 ) -> None:
     """`hand_loop`, and at each window's end the window's loss and rows reduced to rank 0
     with ``dist.reduce`` and read there, as a trainer logs them: two reduces per window,
-    and on rank 0 two host syncs."""
+    and on rank 0 two host syncs. With ``all_reduced``, the loss, the rows and the largest
+    loss are all-reduced instead (3 all-reduces a window, outside the backward); without
+    ``forward_inside``, the forward runs outside ``no_sync()`` (DDP then all-reduces
+    every microbatch)."""
     window: list[torch.Tensor] = []
     rows = 0
     for index, batch in enumerate(batches[: len(batches) // STEPS * STEPS]):
         no_sync = model.no_sync() if (index + 1) % STEPS else contextlib.nullcontext()
+        loss = mean_loss(model, batch) if not forward_inside else None
         with no_sync:
-            loss = mean_loss(model, batch)
+            loss = mean_loss(model, batch) if loss is None else loss
             (loss / STEPS).backward()
         window.append(loss.detach())
         rows += len(batch[0])
@@ -260,8 +270,14 @@ def metrics_loop(
             scheduler.step()
             optimizer.zero_grad()
             total, count = torch.stack(window).sum(), torch.tensor(float(rows))
-            dist.reduce(total, dst=0)
-            dist.reduce(count, dst=0)
+            if all_reduced:
+                largest = torch.stack(window).max()
+                dist.all_reduce(total)
+                dist.all_reduce(count)
+                dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+            else:
+                dist.reduce(total, dst=0)
+                dist.reduce(count, dst=0)
             if dist.get_rank() == 0:  # what a trainer would log: two host syncs
                 _ = total.item() / count.item()
             window, rows = [], 0
@@ -322,6 +338,16 @@ def checks(rank: int, world: int) -> dict[str, Any]:
             **ddp,
         ),
         "metrics": check(metrics_loop, expect_collectives={"all_reduce": 1, "reduce": 2}, **ddp),
+        "metrics_all_reduced": check(
+            functools.partial(metrics_loop, all_reduced=True),
+            expect_collectives={"all_reduce": 1},
+            **ddp,
+        ),
+        "metrics_all_reduced_forward_outside": check(
+            functools.partial(metrics_loop, all_reduced=True, forward_inside=False),
+            expect_collectives={"all_reduce": 4},
+            **ddp,
+        ),
         "nanogpt": nanogpt_check(world=world),
         "nanogpt_unscaled": nanogpt_check(world=world, divide=False),
         "nanogpt_unscaled_sgd": nanogpt_check(sgd, world, divide=False),

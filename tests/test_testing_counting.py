@@ -68,6 +68,13 @@ def test_counts_add_subtract_and_read_in_words() -> None:
     assert str(Counts({"all_gather": 1, "barrier": 2})) == "1 all-gather + 2 barrier, 0 host syncs"
     assert str(Counts({"all_reduce": 1, "reduce": 2})) == "1 all-reduce + 2 reduce, 0 host syncs"
     assert str(Counts()) == "no collective, 0 host syncs"
+    # Those of them outside any backward add and subtract alike, and are not compared.
+    logged = Counts({"all_reduce": 2}, 0, {"all_reduce": 1})
+    assert (logged + logged).outside_backward == {"all_reduce": 2}
+    assert (logged - Counts({"all_reduce": 1})).outside_backward == {"all_reduce": 1}
+    assert (logged - logged).outside_backward == {}
+    assert logged == Counts({"all_reduce": 2})
+    assert usual([logged, logged, Counts({"all_reduce": 1})]).outside_backward == {"all_reduce": 1}
 
 
 def test_every_collective_op_counts_as_a_kind_with_a_name() -> None:

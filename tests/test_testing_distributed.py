@@ -179,6 +179,33 @@ def test_metrics_reduced_each_window_count_as_reduce() -> None:
         assert str(report.windows[2]) == "1 all-reduce + 2 reduce, 2 host syncs"
 
 
+def test_metrics_all_reduced_are_told_from_the_gradient_s() -> None:
+    """Three ``dist.all_reduce`` of a window's metrics, a correct DDP loop, and
+    ``expect_collectives={"all_reduce": 1}`` copied from the guide: 4 all-reduces a window,
+    which once read as DDP's all-reduce on every microbatch. The count says that 3 of them
+    ran outside the backward, the trainer's own, and blames no forward; with the forward
+    outside ``no_sync()`` as well, 7 a window, of which the 4 in the backward are DDP's
+    every microbatch, as before."""
+    for report in checked("metrics_all_reduced"):
+        assert report.max_abs_diff <= TOL
+        assert report.problems == [
+            "4 all-reduces per window at steps=4, expected 1 (1 in the backward, 3 outside "
+            "it: the trainer's own, such as a metric's all-reduce, which expect_collectives "
+            "counts too)"
+        ]
+        assert report.per_window.outside_backward == {"all_reduce": 3}
+    for report in checked("metrics_all_reduced_forward_outside"):
+        assert report.problems == [
+            "7 all-reduces per window at steps=4, expected 4 (4 in the backward, 3 outside "
+            "it: the trainer's own, such as a metric's all-reduce, which expect_collectives "
+            "counts too): DDP all-reduced on every microbatch. "
+            "It decides during the forward whether the backward all-reduces, so the "
+            "forward belongs inside no_sync() with its backward, on every microbatch but a "
+            "window's last (or set require_backward_grad_sync before the forward, or use "
+            "gradaccum.Accumulator)"
+        ]
+
+
 def test_ddp_bucket_counter_counts_each_synced_backward() -> None:
     """The comm-hook fallback: one bucket per window with the forward inside no_sync(),
     one per microstep (3 windows x 4) with it outside."""

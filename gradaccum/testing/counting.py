@@ -115,10 +115,16 @@ class Counts:
             counts once, as its kind. Kinds that did not run are absent.
         host_syncs: Device-to-host reads of tensors that live, or in a CPU run would
             live, on the device (see `CollectiveCounter`).
+        outside_backward: Of `collectives`, by kind, those that ran outside any backward:
+            the trainer's own (a metric's all-reduce), FSDP's forward all-gathers, DDP's
+            buffer broadcasts, a gradient all-reduced by hand after the backward. The
+            gradient's reductions by DDP and FSDP run inside it. Not compared: two
+            ``Counts`` are equal when their collectives and host syncs are.
     """
 
     collectives: Mapping[str, int] = field(default_factory=dict)
     host_syncs: int = 0
+    outside_backward: Mapping[str, int] = field(default_factory=dict, compare=False)
 
     @property
     def all_reduces(self) -> int:
@@ -141,16 +147,19 @@ class Counts:
         return self.collectives.get("broadcast", 0)
 
     def __add__(self, other: Counts) -> Counts:
-        kinds = collections.Counter(self.collectives) + collections.Counter(other.collectives)
-        return Counts(dict(sorted(kinds.items())), self.host_syncs + other.host_syncs)
+        return Counts(
+            _combined(self.collectives, other.collectives, 1),
+            self.host_syncs + other.host_syncs,
+            _combined(self.outside_backward, other.outside_backward, 1),
+        )
 
     def __sub__(self, other: Counts) -> Counts:
         """What ran beyond ``other`` (kinds that ran fewer times count negative)."""
-        kinds = {
-            kind: self.collectives.get(kind, 0) - other.collectives.get(kind, 0)
-            for kind in sorted({*self.collectives, *other.collectives})
-        }
-        return Counts({k: n for k, n in kinds.items() if n}, self.host_syncs - other.host_syncs)
+        return Counts(
+            _combined(self.collectives, other.collectives, -1),
+            self.host_syncs - other.host_syncs,
+            _combined(self.outside_backward, other.outside_backward, -1),
+        )
 
     def __str__(self) -> str:
         """``4 all-reduces + 2 broadcasts, 0 host syncs``."""
@@ -158,18 +167,32 @@ class Counts:
         return f"{' + '.join(parts) or 'no collective'}, {in_words(self.host_syncs, 'host sync')}"
 
 
+def _combined(a: Mapping[str, int], b: Mapping[str, int], sign: int) -> dict[str, int]:
+    """``a + sign * b`` by kind, in kind order: a sum keeps the kinds that ran (as a
+    ``Counter``'s does), a difference those that do not come to 0."""
+    kinds = {kind: a.get(kind, 0) + sign * b.get(kind, 0) for kind in sorted({*a, *b})}
+    return {kind: n for kind, n in kinds.items() if (n > 0 if sign > 0 else n)}
+
+
 def usual(windows: Sequence[Counts]) -> Counts:
     """Per kind, the count most windows ran (the later windows win a tie): what a window
     costs, without the one-time work of the first (DDP's bucket rebuild, an epoch's
     length agreement)."""
-    kinds = {kind for window in windows for kind in window.collectives}
-    steady = {}
-    for kind in sorted(kinds):
-        tally = collections.Counter(window.collectives.get(kind, 0) for window in reversed(windows))
-        if count := tally.most_common(1)[0][0]:
-            steady[kind] = count
+
+    def most(counts: Sequence[Mapping[str, int]]) -> dict[str, int]:
+        steady = {}
+        for kind in sorted({kind for count in counts for kind in count}):
+            tally = collections.Counter(count.get(kind, 0) for count in reversed(counts))
+            if n := tally.most_common(1)[0][0]:
+                steady[kind] = n
+        return steady
+
     syncs = collections.Counter(window.host_syncs for window in reversed(windows))
-    return Counts(steady, syncs.most_common(1)[0][0] if syncs else 0)
+    return Counts(
+        most([window.collectives for window in windows]),
+        syncs.most_common(1)[0][0] if syncs else 0,
+        most([window.outside_backward for window in windows]),
+    )
 
 
 def check_optimizers(optimizers: object, expected: str) -> tuple[torch.optim.Optimizer, ...]:
@@ -257,6 +280,7 @@ class CollectiveCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]  # 
 
     Attributes:
         ops: Every collective op seen, by its full name (``"c10d::allreduce_"``).
+        outside_backward: Of ``ops``, those that ran while no backward was running.
         host_syncs: Host syncs seen.
         windows: What each closed window ran.
 
@@ -284,6 +308,7 @@ class CollectiveCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]  # 
             )
         )
         self.ops: collections.Counter[str] = collections.Counter()
+        self.outside_backward: collections.Counter[str] = collections.Counter()
         self.host_syncs = 0
         self.windows: list[Counts] = []
         self._watch = WindowWatch(optimizers, self.end_window) if optimizers else None
@@ -316,6 +341,8 @@ class CollectiveCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]  # 
                 name = func.name()
                 if name.rpartition("::")[2] not in _NOT_COLLECTIVES:
                     self.ops[name] += 1
+                    if torch._C._current_graph_task_id() == -1:  # no backward is running
+                        self.outside_backward[name] += 1
             elif func is torch.ops.aten._local_scalar_dense.default and self._would_sync(args[0]):
                 self.host_syncs += 1
         out = func(*args, **kwargs)
@@ -349,10 +376,14 @@ class CollectiveCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]  # 
     @property
     def counts(self) -> Counts:
         """Everything counted so far."""
-        kinds: collections.Counter[str] = collections.Counter()
-        for op, n in self.ops.items():
-            kinds[kind_of(op)] += n
-        return Counts(dict(sorted(kinds.items())), self.host_syncs)
+
+        def by_kind(ops: Mapping[str, int]) -> dict[str, int]:
+            kinds: collections.Counter[str] = collections.Counter()
+            for op, n in ops.items():
+                kinds[kind_of(op)] += n
+            return dict(sorted(kinds.items()))
+
+        return Counts(by_kind(self.ops), self.host_syncs, by_kind(self.outside_backward))
 
     @property
     def open_window(self) -> Counts:

@@ -129,18 +129,32 @@ def _factor_hint(scale: float, length: int, steps: int, world: int) -> str | Non
     return None
 
 
-def collective_problem(kind: str, got: int, count: int, *, steps: int, ddp: bool) -> str | None:
-    """``4 all-reduces per window at steps=4, expected 1``, and for DDP syncing on every
-    microbatch, why; None when the count is the expected one."""
+def collective_problem(
+    kind: str, got: int, count: int, *, outside: int = 0, steps: int, ddp: bool
+) -> str | None:
+    """``4 all-reduces per window at steps=4, expected 1``, and why: for DDP syncing on
+    every microbatch, and how many ran in the backward and how many (``outside``) outside
+    it, which are the trainer's own (a metric's all-reduce), not the gradient's; None
+    when the count is the expected one."""
     if got == count:
         return None
     problem = f"{in_words(got, kind)} per window at steps={steps}, expected {count}"
+    backward = got - outside
+    if outside:
+        whose = (
+            ": the trainer's own, such as a metric's all-reduce, which expect_collectives "
+            "counts too"
+            if kind == "all_reduce"
+            else ""  # (FSDP's forward all-gathers run outside it too)
+        )
+        problem += f" ({backward} in the backward, {outside} outside it{whose})"
+    # The gradient's share of ``count``: all of it, or what the outside ones leave.
+    gradient = {count, count - outside} if count > outside else {count}
     if (
         kind == "all_reduce"
         and ddp
         and steps > 1
-        and got > count
-        and (got - count) % (steps - 1) == 0
+        and any(backward > share and (backward - share) % (steps - 1) == 0 for share in gradient)
     ):
         problem += (
             ": DDP all-reduced on every microbatch. It decides during the forward whether "

@@ -768,7 +768,10 @@ def _merge(setup: _Setup, runs: list[_Run]) -> AccumulationReport:
         )
     for kind, count in setup.expect_collectives.items():
         got = per_window.collectives.get(kind, 0)
-        if problem := collective_problem(kind, got, count, steps=setup.steps, ddp=first.ddp):
+        outside = per_window.outside_backward.get(kind, 0)
+        if problem := collective_problem(
+            kind, got, count, outside=outside, steps=setup.steps, ddp=first.ddp
+        ):
             problems.append(problem)
     return AccumulationReport(
         steps=setup.steps,
