@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -18,6 +18,7 @@ __all__ = [
     "FullyShardSync",
     "LocalSync",
     "NoSyncContext",
+    "SeveralDDPSync",
     "StrategyFactory",
     "SyncPolicy",
     "SyncStrategy",
@@ -129,10 +130,7 @@ class DDPSync(SyncStrategy):
         self._ddp = ddp
         self._defer = defer
         self.group: dist.ProcessGroup | None = ddp.process_group
-        # DDP's forward broadcasts the buffers from rank 0 when it has any to broadcast.
-        self.forward_communicates = bool(
-            getattr(ddp, "broadcast_buffers", True) and getattr(ddp, "modules_buffers", True)
-        )
+        self.forward_communicates = _broadcasts_buffers(ddp)
         self._found: bool = ddp.require_backward_grad_sync
         self._armed = self._found
 
@@ -151,6 +149,11 @@ class DDPSync(SyncStrategy):
     def restore(self) -> None:
         """Put back the flag as it was found."""
         self._ddp.require_backward_grad_sync = self._found
+
+
+def _broadcasts_buffers(ddp: Any) -> bool:
+    """DDP's forward broadcasts the buffers from rank 0 when it has any to broadcast."""
+    return bool(getattr(ddp, "broadcast_buffers", True) and getattr(ddp, "modules_buffers", True))
 
 
 class NoSyncContext(SyncStrategy):
@@ -349,8 +352,13 @@ def _world() -> dist.ProcessGroup:
     return group
 
 
-def _first(model: nn.Module, cls: type) -> Any:
-    return next(module for module in model.modules() if isinstance(module, cls))
+def _outermost(model: nn.Module, cls: type) -> list[Any]:
+    """The ``cls`` modules of ``model`` that no other one contains, in module order: the
+    wrappers side by side in a model that holds several (an encoder and a head wrapped
+    apart)."""
+    if isinstance(model, cls):
+        return [model]
+    return [found for child in model.children() for found in _outermost(child, cls)]
 
 
 class _StaticGraphError(ConfigError):
@@ -360,16 +368,56 @@ class _StaticGraphError(ConfigError):
 def _ddp(model: nn.Module, policy: SyncPolicy) -> SyncStrategy:
     from torch.nn.parallel import DistributedDataParallel
 
-    ddp = _first(model, DistributedDataParallel)
+    ddps = _outermost(model, DistributedDataParallel)
     defer = policy != "every"
-    if defer and getattr(ddp, "static_graph", False):
+    if defer and any(getattr(ddp, "static_graph", False) for ddp in ddps):
         msg = (
             "model is a DistributedDataParallel with static_graph=True, whose first "
             "iteration cannot skip the all-reduce (torch's reducer asserts); pass "
             "sync='every', or build DDP without static_graph=True"
         )
         raise _StaticGraphError(msg)
-    return DDPSync(ddp, defer=defer)
+    if len(ddps) == 1:
+        return DDPSync(ddps[0], defer=defer)
+    if len({id(ddp.process_group) for ddp in ddps}) > 1:
+        msg = (
+            f"model holds {len(ddps)} DistributedDataParallel modules over different "
+            "process groups; gradaccum arms them alike but reduces its own values (item "
+            "counts, the inf/NaN check) over one group: wrap them over the same group"
+        )
+        raise ConfigError(msg)
+    return SeveralDDPSync(ddps, defer=defer)
+
+
+class SeveralDDPSync(DDPSync):
+    """Several DDP modules side by side in the model (an encoder and a head wrapped apart,
+    under one optimizer or several): each is armed alike, and each one's last forward is
+    read before the backward (the first that saw another flag than armed is reported)."""
+
+    def __init__(self, ddps: Sequence[Any], *, defer: bool) -> None:
+        super().__init__(ddps[0], defer=defer)
+        self._ddps = tuple(ddps)
+        self.forward_communicates = any(_broadcasts_buffers(ddp) for ddp in ddps)
+        self._founds = [ddp.require_backward_grad_sync for ddp in ddps]
+
+    def overridden(self) -> bool | None:
+        """Whether this backward reduces, if that is not what was armed, on any of them."""
+        for ddp in self._ddps:
+            seen: bool = ddp.require_forward_param_sync
+            if seen is not self._armed:
+                return seen
+        return None
+
+    def arm(self, sync: bool) -> None:
+        """All-reduce in the next backward, on every one, unless it is deferred."""
+        self._armed = sync or not self._defer
+        for ddp in self._ddps:
+            ddp.require_backward_grad_sync = self._armed
+
+    def restore(self) -> None:
+        """Put back each one's flag as it was found."""
+        for ddp, found in zip(self._ddps, self._founds, strict=True):
+            ddp.require_backward_grad_sync = found
 
 
 class FSDP1Sync(NoSyncContext):
@@ -397,7 +445,15 @@ class FSDP1Sync(NoSyncContext):
 def _fsdp1(model: nn.Module, policy: SyncPolicy) -> SyncStrategy:
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    return FSDP1Sync(_first(model, FullyShardedDataParallel), policy)
+    roots = _outermost(model, FullyShardedDataParallel)
+    if len(roots) > 1:
+        msg = (
+            f"model holds {len(roots)} FullyShardedDataParallel roots side by side; "
+            "gradaccum drives one root's no_sync() and clip_grad_norm_(), which would miss "
+            "the others' gradients: wrap them under one FSDP root, or use fully_shard"
+        )
+        raise ConfigError(msg)
+    return FSDP1Sync(roots[0], policy)
 
 
 def _fully_shard(model: nn.Module, policy: SyncPolicy) -> SyncStrategy:

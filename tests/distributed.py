@@ -51,6 +51,20 @@ class PartlyUsed(nn.Module):
         return self.body(x)  # type: ignore[no-any-return]
 
 
+class Pair(nn.Module):
+    """``make_model()``'s two layers, each wrapped by ``wrap`` on its own and held side by
+    side (an encoder and a head wrapped apart, under one optimizer); its parameters are
+    the model's, in order."""
+
+    def __init__(self, model: nn.Module, wrap: Any) -> None:
+        super().__init__()
+        self.first = wrap(model[0])
+        self.second = wrap(model[2])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.tanh(self.first(x)))  # type: ignore[no-any-return]
+
+
 def wrap(kind: str, model: nn.Module) -> nn.Module:
     """``model`` wrapped as ``kind``; the compiled ones use the default backend, inductor."""
     from torch.distributed.fsdp import FullyShardedDataParallel
@@ -58,6 +72,8 @@ def wrap(kind: str, model: nn.Module) -> nn.Module:
 
     if kind == "ddp":
         return DistributedDataParallel(model)
+    if kind == "ddp_pair":
+        return Pair(model, DistributedDataParallel)
     if kind == "ddp_unused":
         return DistributedDataParallel(PartlyUsed(model), find_unused_parameters=True)
     if kind == "compile_ddp":

@@ -89,6 +89,7 @@ def per_window(trainings: list[Training], name: str, windows: int) -> set[float]
     ("kind", "world"),
     [
         ("ddp", 2),
+        ("ddp_pair", 2),
         ("fsdp1", 2),
         ("fully_shard", 2),
         ("hsdp", 4),
@@ -123,6 +124,9 @@ def test_ddp_with_find_unused_parameters_defers_exactly(sync: str) -> None:
         ("ddp", "auto", {"allreduce_": 1}),
         ("ddp", "boundary", {"allreduce_": 1}),
         ("ddp", "every", {"allreduce_": 4}),
+        # Two DDP modules side by side: each is armed, one all-reduce each per window.
+        ("ddp_pair", "auto", {"allreduce_": 2}),
+        ("ddp_pair", "every", {"allreduce_": 8}),
         # find_unused_parameters: a synced backward all-reduces the unused-parameter map
         # and two buckets (the unused layer's is reduced too); deferring leaves one per window.
         ("ddp_unused", "auto", {"allreduce_": 3}),

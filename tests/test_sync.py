@@ -19,6 +19,7 @@ from gradaccum.sync import (
     strategy_for,
     unwrap,
 )
+from tests.distributed import Pair
 from tests.helpers import make_batches, make_model, mean_loss, sgd
 
 
@@ -63,6 +64,54 @@ def test_wrappings_are_detected_through_compile() -> None:
     ):
         assert type(strategy_for(model)) is strategy
         assert strategy_for(model).group is not None
+
+
+@pytest.mark.usefixtures("process_group")
+def test_ddp_modules_side_by_side_are_each_armed() -> None:
+    """A model holding two DDP modules: both are armed alike, each one's last forward is
+    read, close() restores both (before, only the first was armed: the second
+    all-reduced every microbatch; counted on 2 ranks in test_distributed.py)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from gradaccum.sync import SeveralDDPSync
+
+    pair = Pair(make_model(), DistributedDataParallel)
+    strategy = strategy_for(pair)
+    assert type(strategy) is SeveralDDPSync
+    with gradaccum.no_sync(pair):
+        assert not pair.first.require_backward_grad_sync
+        assert not pair.second.require_backward_grad_sync
+    assert pair.first.require_backward_grad_sync
+    assert pair.second.require_backward_grad_sync
+    strategy.arm(False)
+    mean_loss(pair, make_batches([2])[0]).backward()
+    assert strategy.overridden() is None
+    pair.second.require_backward_grad_sync = True  # a flag set otherwise than armed
+    mean_loss(pair, make_batches([2])[0]).backward()
+    assert strategy.overridden() is True
+    strategy.restore()
+    apart = Pair(
+        make_model(),
+        lambda module: DistributedDataParallel(module, process_group=dist.new_group([0])),
+    )
+    apart.first = DistributedDataParallel(apart.first.module)
+    with pytest.raises(gradaccum.ConfigError, match="over different process groups"):
+        strategy_for(apart)
+
+
+@pytest.mark.filterwarnings("ignore:FSDP is switching to use `NO_SHARD`:UserWarning")
+@pytest.mark.usefixtures("process_group")
+def test_fsdp1_roots_side_by_side_are_refused() -> None:
+    """Two FSDP1 roots side by side: gradaccum drives one root's no_sync() and clipping,
+    which would miss the other's gradients: refused, naming the fix."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    pair = Pair(
+        make_model(), lambda module: FullyShardedDataParallel(module, device_id=torch.device("cpu"))
+    )
+    with pytest.raises(gradaccum.ConfigError, match="2 FullyShardedDataParallel roots"):
+        gradaccum.Accumulator(pair, sgd(pair), steps=2, max_grad_norm=1.0)
 
 
 @pytest.mark.usefixtures("process_group")
