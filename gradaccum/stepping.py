@@ -32,8 +32,8 @@ class Stepper:
     optimizer's entry may be None). Each optimizer's step pre-hook refuses
     ``optimizer.step()`` by hand inside a window and warns about it between windows; a
     scheduler whose ``last_epoch`` moved between the accumulator's steps was stepped by
-    hand, which is reported at its next step (before the accumulator's first step of it,
-    a move is a state loaded into it).
+    hand, which is reported at its next step, unless an optimizer's state was loaded
+    since (a resume, which loads the schedulers' states with it).
 
     Attributes:
         applied: The current window's optimizer steps have run (a scheduler step may
@@ -54,14 +54,17 @@ class Stepper:
         self._where = where  # "microstep k of n" while a window is open, else None
         self._stepping = False
         self._unscaled = False
-        # [scheduler, its last_epoch after the accumulator's last step of it, or None:
-        # not stepped by it yet, so that a state loaded into the scheduler after the
-        # accumulator was built (a resume that keeps its own count) is no step by hand]
+        # [scheduler, its last_epoch after the accumulator's last step of it, or None]
         self._scheduled: list[list[Any]] = [
-            [scheduler, None] for scheduler in schedulers if scheduler is not None
+            [scheduler, _last_epoch(scheduler)] for scheduler in schedulers if scheduler is not None
         ]
         self._hooks = [
             optimizer.register_step_pre_hook(self._foreign_step) for optimizer in optimizers
+        ]
+        # A resume loads the optimizers' states with the schedulers': the schedules are
+        # then taken as they are, not as stepped by hand.
+        self._hooks += [
+            optimizer.register_load_state_dict_post_hook(self._loaded) for optimizer in optimizers
         ]
         for optimizer in optimizers:
             _owners[optimizer] = weakref.ref(owner)
@@ -138,6 +141,9 @@ class Stepper:
         """The schedulers' states may have been loaded: take their ``last_epoch`` as ours."""
         for record in self._scheduled:
             record[1] = None
+
+    def _loaded(self, _: torch.optim.Optimizer) -> None:
+        self.reread_schedulers()
 
     def release(self, owner: object) -> None:
         """Remove the hooks; the optimizers are no longer owned by ``owner``."""

@@ -205,19 +205,29 @@ def test_a_refused_set_up_changes_nothing(build: Any, error: type[Exception]) ->
     gradaccum.Accumulator(model, optimizers, schedulers, steps=2).close()  # nobody owns them
 
 
-def test_a_scheduler_state_loaded_before_the_first_window_is_no_step_by_hand() -> None:
+@pytest.mark.parametrize("optimizer_first", [True, False])
+def test_a_resume_that_loads_the_optimizer_and_the_scheduler_is_no_step_by_hand(
+    optimizer_first: bool,
+) -> None:
     """A resume that keeps its own count: the accumulator is built, then the optimizer's
-    and the scheduler's states are loaded (``last_epoch`` 0 -> 5). No warning: the
-    accumulator takes the schedule as it finds it at its first step; a step by hand after
-    that is still reported."""
+    and the scheduler's states are loaded, in either order (``last_epoch`` 0 -> 5). No
+    warning: loading an optimizer's state tells the accumulator that the schedules were
+    loaded too, and it takes them as they are; a step by hand after that is still
+    reported. (It warned "remove the scheduler.step() call", a call never made.)"""
     model, optimizers, schedulers = parts()
     for _ in range(5):
         optimizers[0].step()
         schedulers[0].step()
-    saved = schedulers[0].state_dict()
+    saved = optimizers[0].state_dict(), schedulers[0].state_dict()
     model, optimizers, schedulers = parts()
     acc = gradaccum.Accumulator(model, optimizers, schedulers, steps=1)
-    schedulers[0].load_state_dict(saved)
+    loads = [optimizers[0].load_state_dict, schedulers[0].load_state_dict]
+    for load, state in zip(
+        loads if optimizer_first else loads[::-1],
+        saved if optimizer_first else saved[::-1],
+        strict=True,
+    ):
+        load(state)
     batches = make_batches([2] * 2)
     with warnings.catch_warnings():
         warnings.simplefilter("error", gradaccum.GradaccumWarning)

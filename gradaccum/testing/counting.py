@@ -118,13 +118,13 @@ class Counts:
         outside_backward: Of `collectives`, by kind, those that ran outside any backward:
             the trainer's own (a metric's all-reduce), FSDP's forward all-gathers, DDP's
             buffer broadcasts, a gradient all-reduced by hand after the backward. The
-            gradient's reductions by DDP and FSDP run inside it. Not compared: two
-            ``Counts`` are equal when their collectives and host syncs are.
+            gradient's reductions by DDP and FSDP run inside it. Neither compared nor
+            shown: two ``Counts`` are equal when their collectives and host syncs are.
     """
 
     collectives: Mapping[str, int] = field(default_factory=dict)
     host_syncs: int = 0
-    outside_backward: Mapping[str, int] = field(default_factory=dict, compare=False)
+    outside_backward: Mapping[str, int] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def all_reduces(self) -> int:
