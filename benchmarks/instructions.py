@@ -188,20 +188,59 @@ def floor_block(floor: Any, mode: str, batches: list[Any]) -> None:
                 pass
 
 
-def gradaccum_block(acc: Any, mode: str, batches: list[Any]) -> None:
+def gradaccum_block(acc: Any, mode: str, batches: list[Any], epoch: Any = None) -> None:
+    """``for x, y in acc.epoch(batches)`` (or ``epoch(batches)``) and a microstep each."""
     # As in the hand loop, ``loss`` holds the microstep's graph until the next forward has
     # built its own: the parameters' gradient accumulators are reused, not rebuilt.
-    model = acc.model
+    model, epoch = acc.model, acc.epoch if epoch is None else epoch
     if mode == "items":
-        for x, y in acc.epoch(batches):
+        for x, y in epoch(batches):
             loss = (model(x) - y).square().sum()
             with acc.microstep(loss, num_items=len(x)):
                 pass
     else:
-        for x, y in acc.epoch(batches):
+        for x, y in epoch(batches):
             loss = (model(x) - y).square().mean()
             with acc.microstep(loss):
                 pass
+
+
+def make_batches(microsteps: int) -> list[Any]:
+    """The warm-up block's microbatches, then the timed block's: ``microsteps`` each."""
+    generator = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(BATCH, 16, generator=generator), torch.randn(BATCH, 1, generator=generator))
+        for _ in range(2 * microsteps)
+    ]
+
+
+def accumulator(parts: tuple[Any, ...], mode: str, steps: int) -> Any:
+    """gradaccum's ``Accumulator`` over ``parts`` (`build`), in ``mode``."""
+    import gradaccum
+
+    model, optimizer, scheduler, scaler = parts
+    return gradaccum.Accumulator(
+        model,
+        optimizer,
+        scheduler,
+        steps=steps,
+        max_grad_norm=1.0 if mode == "clip" else None,
+        scaler=scaler,
+        on_nonfinite="skip" if mode == "skip" else None,
+    )
+
+
+def timed(markers: Any, run: Any, batches: list[Any]) -> None:
+    """``run`` over the warm-up half of ``batches``, then over the other half between the
+    client requests (``markers``), garbage collection off."""
+    half = len(batches) // 2
+    run(batches[:half])
+    gc.collect()
+    gc.disable()
+    markers.gradaccum_start()
+    run(batches[half:])
+    markers.gradaccum_stop()
+    gc.enable()
 
 
 def child(loop: str, width: int, mode: str, setup: str, microsteps: int, library: str) -> None:
@@ -209,12 +248,8 @@ def child(loop: str, width: int, mode: str, setup: str, microsteps: int, library
     steps = 1 if setup == "tensors" else STEPS  # there, every microstep is a boundary
     torch.set_num_threads(1)
     parts = build(width, mode, setup)
-    generator = torch.Generator().manual_seed(1)
-    batches = [
-        (torch.randn(BATCH, 16, generator=generator), torch.randn(BATCH, 1, generator=generator))
-        for _ in range(2 * microsteps)
-    ]
-    warm, timed = batches[:microsteps], batches[microsteps:]
+    batches = make_batches(microsteps)
+    guard = None
     if loop == "hand":
         run: Any = lambda data: hand_block(parts, mode, data, steps)  # noqa: E731
     elif loop == "floor":
@@ -233,33 +268,16 @@ def child(loop: str, width: int, mode: str, setup: str, microsteps: int, library
         )
         run = lambda data: floor_block(floor, mode, data)  # noqa: E731
     else:
-        import gradaccum
         from gradaccum import hooks
 
-        model, optimizer, scheduler, scaler = parts
-        acc = gradaccum.Accumulator(
-            model,
-            optimizer,
-            scheduler,
-            steps=steps,
-            max_grad_norm=1.0 if mode == "clip" else None,
-            scaler=scaler,
-            on_nonfinite="skip" if mode == "skip" else None,
-        )
-        guard = None
+        acc = accumulator(parts, mode, steps)
         if setup == "ddp" and acc._strategy.forward_communicates:
             # The several-ranks path, as on many ranks: the forward guard where the
             # forward runs a collective (DDP with buffers to broadcast; not this MLP).
-            guard = hooks.watch(model, failed=acc._block.forward_failed)
+            guard = hooks.watch(acc.model, failed=acc._block.forward_failed)
         run = lambda data: gradaccum_block(acc, mode, data)  # noqa: E731
-    run(warm)
-    gc.collect()
-    gc.disable()
-    markers.gradaccum_start()
-    run(timed)
-    markers.gradaccum_stop()
-    gc.enable()
-    if loop == "gradaccum" and guard is not None:
+    timed(markers, run, batches)
+    if guard is not None:
         guard.remove()
 
 

@@ -11,8 +11,8 @@ What is measured:
     * ``no hand-out``: the microsteps run over the list itself instead of ``acc.epoch``
       (the epoch's generator, its plan and its sizing of each window).
 
-    The three gradaccum counts run the same loop (this file's), so that they differ by
-    the feature only.
+    The three gradaccum counts run the same loop (`instructions.gradaccum_block`), so that
+    they differ by the feature only.
 
     A feature's cost is gradaccum's count less the count without it. The room is what
     the target leaves gradaccum over the floor: ``1.02 * hand - floor``. What these two
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import gc
 import statistics
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -52,47 +51,17 @@ def child(variant: str, width: int, mode: str, microsteps: int, library: str) ->
     if variant in ("hand", "floor"):
         instructions.child(variant, width, mode, "process", microsteps, library)
         return
-    import gradaccum
-
     markers = ctypes.CDLL(library)
     torch.set_num_threads(1)
-    model, optimizer, scheduler, scaler = instructions.build(width, mode, "process")
-    generator = torch.Generator().manual_seed(1)
-    batches = [
-        (torch.randn(32, 16, generator=generator), torch.randn(32, 1, generator=generator))
-        for _ in range(2 * microsteps)
-    ]
-    acc = gradaccum.Accumulator(
-        model,
-        optimizer,
-        scheduler,
-        steps=instructions.STEPS,
-        max_grad_norm=1.0 if mode == "clip" else None,
-        scaler=scaler,
-        on_nonfinite="skip" if mode == "skip" else None,
-    )
+    parts = instructions.build(width, mode, "process")
+    batches = instructions.make_batches(microsteps)
+    acc = instructions.accumulator(parts, mode, instructions.STEPS)
     if variant == "no watch":
         acc._block.watch = False
     epoch: Any = acc.epoch if variant != "no hand-out" else (lambda data: data)
-
-    def run(data: list[Any]) -> None:
-        for x, y in epoch(data):
-            if mode == "items":
-                loss = (model(x) - y).square().sum()
-                with acc.microstep(loss, num_items=len(x)):
-                    pass
-            else:
-                loss = (model(x) - y).square().mean()
-                with acc.microstep(loss):
-                    pass
-
-    run(batches[:microsteps])
-    gc.collect()
-    gc.disable()
-    markers.gradaccum_start()
-    run(batches[microsteps:])
-    markers.gradaccum_stop()
-    gc.enable()
+    instructions.timed(
+        markers, lambda data: instructions.gradaccum_block(acc, mode, data, epoch), batches
+    )
 
 
 def count(
