@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -100,18 +101,25 @@ def test_a_wrapper_that_is_no_working_optimizer_is_refused_with_the_object_to_pa
     assert "optimizer.optimizer (a SGD)" in message
 
 
+def regression_data() -> Any:
+    """24 float64 samples of 5 features and a target, the same every time."""
+    from torch.utils.data import TensorDataset
+
+    generator = torch.Generator().manual_seed(3)
+    return TensorDataset(
+        torch.randn(24, 5, generator=generator, dtype=torch.float64),
+        torch.randn(24, 1, generator=generator, dtype=torch.float64),
+    )
+
+
 def resumed_mid_epoch(accelerator: object, stateful: bool, skip_by_hand: bool = False) -> bool:
     """One epoch of 12 microbatches of a prepared DataLoader, windows of 2, saved after
     the third window and resumed with fresh objects and a fresh prepared loader (with
     ``stateful``, its own state loaded too): whether the resumed run ends with exactly the
     parameters of the uninterrupted one."""
-    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data import DataLoader
 
-    generator = torch.Generator().manual_seed(3)
-    data = TensorDataset(
-        torch.randn(24, 5, generator=generator, dtype=torch.float64),
-        torch.randn(24, 1, generator=generator, dtype=torch.float64),
-    )
+    data = regression_data()
 
     def run(state: dict[str, object] | None) -> tuple[torch.nn.Module, dict[str, object]]:
         model = make_model()
@@ -184,13 +192,9 @@ def test_accelerates_own_checkpoint_resumes_the_accumulator_mid_epoch(
     shuffles by its own generator, seeded each epoch; the model has dropout, whose random
     state Accelerate restores): the resumed run ends bit for bit where the whole one did."""
     from accelerate.state import AcceleratorState, GradientState
-    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data import DataLoader
 
-    generator = torch.Generator().manual_seed(3)
-    data = TensorDataset(
-        torch.randn(24, 5, generator=generator, dtype=torch.float64),
-        torch.randn(24, 1, generator=generator, dtype=torch.float64),
-    )
+    data = regression_data()
 
     def run(load: bool) -> list[torch.Tensor]:
         AcceleratorState._reset_state(True)
