@@ -25,6 +25,7 @@ from tests.helpers import (
     make_model,
     mean_loss,
     save_checkpoint,
+    split_optimizers,
     sum_loss,
 )
 
@@ -398,10 +399,7 @@ class TestMisuseThatLosesData:
         clears only its own share of the gradient; that is refused too, and neither
         optimizer steps."""
         model = make_model()
-        weights = [p for name, p in model.named_parameters() if "bias" not in name]
-        biases = [p for name, p in model.named_parameters() if "bias" in name]
-        first = torch.optim.SGD(weights, lr=LR)
-        second = torch.optim.SGD(biases, lr=LR)
+        (first, second), _ = split_optimizers(model, schedulers=False)
         taken = count_steps(first) + count_steps(second)
         acc = gradaccum.Accumulator(model, [first, second], steps=2)
         before = [p.detach().clone() for p in model.parameters()]

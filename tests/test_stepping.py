@@ -221,12 +221,9 @@ def test_a_resume_that_loads_the_optimizer_and_the_scheduler_is_no_step_by_hand(
     saved = optimizers[0].state_dict(), schedulers[0].state_dict()
     model, optimizers, schedulers = parts()
     acc = gradaccum.Accumulator(model, optimizers, schedulers, steps=1)
-    loads = [optimizers[0].load_state_dict, schedulers[0].load_state_dict]
-    for load, state in zip(
-        loads if optimizer_first else loads[::-1],
-        saved if optimizer_first else saved[::-1],
-        strict=True,
-    ):
+    loaders = [optimizers[0].load_state_dict, schedulers[0].load_state_dict]
+    loads = list(zip(loaders, saved, strict=True))
+    for load, state in loads if optimizer_first else loads[::-1]:
         load(state)
     batches = make_batches([2] * 2)
     with warnings.catch_warnings():
