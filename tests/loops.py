@@ -73,16 +73,19 @@ def hand_loop(
     forward_inside: bool = True,
     scheduler_every_microbatch: bool = False,
     divisor: float | None = None,
+    synced: int = 1,
 ) -> None:
     """A loop of its own: ``loss / steps`` per microbatch (by ``divisor`` if given: a
     bug), ``no_sync()`` off the boundary (around the forward too, unless
-    ``forward_inside`` is False: the bug equal gradients hide), the optimizer and the
+    ``forward_inside`` is False: the bug equal gradients hide; off a window's last
+    ``synced`` microbatches, more than one: exact, and wasteful), the optimizer and the
     scheduler stepped at the boundary (the scheduler on every microbatch with
     ``scheduler_every_microbatch``: the bug the step count shows)."""
     no_sync = getattr(model, "no_sync", contextlib.nullcontext)
     for index, batch in enumerate(batches[: len(batches) // steps * steps]):
         boundary = (index + 1) % steps == 0
-        context = contextlib.nullcontext() if boundary else no_sync()
+        sync = index % steps >= steps - synced
+        context = contextlib.nullcontext() if sync else no_sync()
         divisor = steps if divisor is None else divisor
         if forward_inside:
             with context:
@@ -324,6 +327,12 @@ def checks(rank: int, world: int) -> dict[str, Any]:
             **ddp,
         ),
         "forward_inside": check(hand_loop, expect_collectives={"all_reduce": 1}, **ddp),
+        # Without an expected count of all-reduces, DDP's sync is checked all the same.
+        "forward_outside_unexpected": check(
+            functools.partial(hand_loop, forward_inside=False), **ddp
+        ),
+        "synced_twice": check(functools.partial(hand_loop, synced=2), **ddp),
+        "forward_inside_unexpected": check(hand_loop, **ddp),
         "scheduler_every_microbatch": check(
             functools.partial(hand_loop, scheduler_every_microbatch=True), **ddp
         ),
@@ -342,6 +351,9 @@ def checks(rank: int, world: int) -> dict[str, Any]:
             functools.partial(metrics_loop, all_reduced=True),
             expect_collectives={"all_reduce": 1},
             **ddp,
+        ),
+        "metrics_all_reduced_unexpected": check(
+            functools.partial(metrics_loop, all_reduced=True), **ddp
         ),
         "metrics_all_reduced_forward_outside": check(
             functools.partial(metrics_loop, all_reduced=True, forward_inside=False),

@@ -75,6 +75,15 @@ def test_counts_add_subtract_and_read_in_words() -> None:
     assert (logged - logged).outside_backward == {}
     assert logged == Counts({"all_reduce": 2})
     assert usual([logged, logged, Counts({"all_reduce": 1})]).outside_backward == {"all_reduce": 1}
+    # So do the backward passes that ran each kind.
+    synced = Counts({"all_reduce": 4}, 0, {}, {"all_reduce": 4})
+    assert (synced + synced).backwards == {"all_reduce": 8}
+    assert (synced - Counts({"all_reduce": 1}, 0, {}, {"all_reduce": 1})).backwards == {
+        "all_reduce": 3
+    }
+    assert synced == Counts({"all_reduce": 4})
+    assert usual([synced, Counts({"all_reduce": 1})]).backwards == {}  # (a tie: the later's)
+    assert usual([synced, synced, Counts({"all_reduce": 1})]).backwards == {"all_reduce": 4}
 
 
 def test_every_collective_op_counts_as_a_kind_with_a_name() -> None:

@@ -74,6 +74,47 @@ def test_the_forward_outside_no_sync_is_caught_by_the_count() -> None:
         ]
 
 
+HINT = (
+    "It decides during the forward whether the backward all-reduces, so the forward belongs "
+    "inside no_sync() with its backward, on every microbatch but a window's last (or set "
+    "require_backward_grad_sync before the forward, or use gradaccum.Accumulator)"
+)
+
+
+def test_ddp_s_sync_is_checked_without_an_expected_count() -> None:
+    """Under DDP the check counts the backward passes that all-reduced in each window,
+    with no ``expect_collectives`` given: the forward outside no_sync() fails (it passed
+    before, with exact gradients), and so does a loop that syncs the last two
+    microbatches of each window (exact too: the second all-reduce adds the last
+    microbatch's gradient to an average); the right loop passes."""
+    for report in checked("forward_outside_unexpected"):
+        assert report.max_abs_diff <= TOL
+        assert report.problems == [
+            f"4 all-reduces per window at steps=4: DDP all-reduced on every microbatch. {HINT}"
+        ]
+        assert report.per_window.backwards == {"all_reduce": 4}
+    for report in checked("synced_twice"):
+        assert report.max_abs_diff <= TOL
+        assert report.max_grad_diff <= TOL
+        assert report.problems == [
+            "2 all-reduces per window at steps=4: DDP all-reduced on 2 of a window's 4 "
+            f"microbatches, not only its last. {HINT}"
+        ]
+    for report in checked("forward_inside_unexpected"):
+        assert report.ok, report
+        assert report.per_window.backwards == {"all_reduce": 1}
+
+
+def test_a_trainer_s_own_all_reduces_pass_without_an_expected_count() -> None:
+    """A correct DDP loop that all-reduces three metrics a window, checked without
+    ``expect_collectives``: 4 all-reduces a window, of which one backward's; it passes."""
+    for report in checked("metrics_all_reduced_unexpected"):
+        assert report.ok, report
+        assert report.per_window.all_reduces == 4
+        assert report.per_window.outside_backward == {"all_reduce": 3}
+        assert report.per_window.backwards == {"all_reduce": 1}
+
+
 def test_a_scheduler_stepped_every_microbatch_fails_on_its_count_named() -> None:
     """The reference steps with the learning rates the trainer's optimizer held, so the
     gradients and parameters agree: the count shows the bug, and says which it is."""

@@ -13,7 +13,7 @@ from types import ModuleType
 import pytest
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "testing_your_trainer"
-MESSAGE = "4 all-reduces per window at steps=4, expected 1: DDP all-reduced on every microbatch."
+MESSAGE = "4 all-reduces per window at steps=4: DDP all-reduced on every microbatch."
 FORWARD = "            loss = loss_fn(model, batches[step * steps + micro]) / steps\n"
 BLOCK = "            with contextlib.nullcontext() if boundary else no_sync():\n"
 

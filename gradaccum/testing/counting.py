@@ -120,11 +120,16 @@ class Counts:
             buffer broadcasts, a gradient all-reduced by hand after the backward. The
             gradient's reductions by DDP and FSDP run inside it. Neither compared nor
             shown: two ``Counts`` are equal when their collectives and host syncs are.
+        backwards: By kind, how many backward passes ran one or more of it: DDP that
+            syncs once per window all-reduces in one backward a window, whatever its
+            number of buckets; DDP that syncs on every microbatch, in each of them.
+            Neither compared nor shown.
     """
 
     collectives: Mapping[str, int] = field(default_factory=dict)
     host_syncs: int = 0
     outside_backward: Mapping[str, int] = field(default_factory=dict, compare=False, repr=False)
+    backwards: Mapping[str, int] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def all_reduces(self) -> int:
@@ -151,6 +156,7 @@ class Counts:
             _combined(self.collectives, other.collectives, 1),
             self.host_syncs + other.host_syncs,
             _combined(self.outside_backward, other.outside_backward, 1),
+            _combined(self.backwards, other.backwards, 1),
         )
 
     def __sub__(self, other: Counts) -> Counts:
@@ -159,6 +165,7 @@ class Counts:
             _combined(self.collectives, other.collectives, -1),
             self.host_syncs - other.host_syncs,
             _combined(self.outside_backward, other.outside_backward, -1),
+            _combined(self.backwards, other.backwards, -1),
         )
 
     def __str__(self) -> str:
@@ -192,6 +199,7 @@ def usual(windows: Sequence[Counts]) -> Counts:
         most([window.collectives for window in windows]),
         syncs.most_common(1)[0][0] if syncs else 0,
         most([window.outside_backward for window in windows]),
+        most([window.backwards for window in windows]),
     )
 
 
@@ -281,6 +289,7 @@ class CollectiveCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]  # 
     Attributes:
         ops: Every collective op seen, by its full name (``"c10d::allreduce_"``).
         outside_backward: Of ``ops``, those that ran while no backward was running.
+        backwards: By kind, the backward passes that ran one or more of it.
         host_syncs: Host syncs seen.
         windows: What each closed window ran.
 
@@ -309,6 +318,8 @@ class CollectiveCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]  # 
         )
         self.ops: collections.Counter[str] = collections.Counter()
         self.outside_backward: collections.Counter[str] = collections.Counter()
+        self.backwards: collections.Counter[str] = collections.Counter()
+        self._last_backward: dict[str, int] = {}  # by kind, the last backward that ran it
         self.host_syncs = 0
         self.windows: list[Counts] = []
         self._watch = WindowWatch(optimizers, self.end_window) if optimizers else None
@@ -341,8 +352,12 @@ class CollectiveCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]  # 
                 name = func.name()
                 if name.rpartition("::")[2] not in _NOT_COLLECTIVES:
                     self.ops[name] += 1
-                    if torch._C._current_graph_task_id() == -1:  # no backward is running
+                    backward = torch._C._current_graph_task_id()  # unique per backward pass
+                    if backward == -1:  # no backward is running
                         self.outside_backward[name] += 1
+                    elif self._last_backward.get(kind := kind_of(name)) != backward:
+                        self._last_backward[kind] = backward
+                        self.backwards[kind] += 1
             elif func is torch.ops.aten._local_scalar_dense.default and self._would_sync(args[0]):
                 self.host_syncs += 1
         out = func(*args, **kwargs)
@@ -383,7 +398,12 @@ class CollectiveCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]  # 
                 kinds[kind_of(op)] += n
             return dict(sorted(kinds.items()))
 
-        return Counts(by_kind(self.ops), self.host_syncs, by_kind(self.outside_backward))
+        return Counts(
+            by_kind(self.ops),
+            self.host_syncs,
+            by_kind(self.outside_backward),
+            dict(sorted(self.backwards.items())),
+        )
 
     @property
     def open_window(self) -> Counts:

@@ -12,7 +12,7 @@ from gradaccum.schedule import total_steps
 from gradaccum.schedule import trained_microbatches as _trained
 from gradaccum.testing.counting import in_words
 
-__all__ = ["collective_problem", "gap", "gradient_problem", "step_problem", "worse"]
+__all__ = ["collective_problem", "ddp_problem", "gap", "gradient_problem", "step_problem", "worse"]
 
 
 def gap(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -130,16 +130,16 @@ def _factor_hint(scale: float, length: int, steps: int, world: int) -> str | Non
 
 
 def collective_problem(
-    kind: str, got: int, count: int, *, outside: int = 0, steps: int, ddp: bool
+    kind: str, got: int, count: int, *, outside: int = 0, backwards: int = 0, steps: int, ddp: bool
 ) -> str | None:
-    """``4 all-reduces per window at steps=4, expected 1``, and why: for DDP syncing on
-    every microbatch, and how many ran in the backward and how many (``outside``) outside
-    it, which are the trainer's own (a metric's all-reduce), not the gradient's; None
-    when the count is the expected one."""
+    """``4 all-reduces per window at steps=4, expected 1``, and why: how many ran in the
+    backward and how many (``outside``) outside it, which are the trainer's own (a
+    metric's all-reduce), not the gradient's; and for DDP all-reducing in more than one
+    of the ``backwards`` of a window, `ddp_problem`. None when the count is the expected
+    one."""
     if got == count:
         return None
     problem = f"{in_words(got, kind)} per window at steps={steps}, expected {count}"
-    backward = got - outside
     if outside:
         whose = (
             ": the trainer's own, such as a metric's all-reduce, which expect_collectives "
@@ -147,19 +147,26 @@ def collective_problem(
             if kind == "all_reduce"
             else ""  # (FSDP's forward all-gathers run outside it too)
         )
-        problem += f" ({backward} in the backward, {outside} outside it{whose})"
-    # The gradient's share of ``count``: all of it, or what the outside ones leave.
-    gradient = {count, count - outside} if count > outside else {count}
-    if (
-        kind == "all_reduce"
-        and ddp
-        and steps > 1
-        and any(backward > share and (backward - share) % (steps - 1) == 0 for share in gradient)
-    ):
-        problem += (
-            ": DDP all-reduced on every microbatch. It decides during the forward whether "
-            "the backward all-reduces, so the forward belongs inside no_sync() with its "
-            "backward, on every microbatch but a window's last (or set "
-            "require_backward_grad_sync before the forward, or use gradaccum.Accumulator)"
-        )
+        problem += f" ({got - outside} in the backward, {outside} outside it{whose})"
+    if kind == "all_reduce" and ddp and (why := ddp_problem(backwards, steps)):
+        problem += f": {why}"
     return problem
+
+
+def ddp_problem(backwards: int, steps: int) -> str | None:
+    """Why DDP all-reduced in the backward of ``backwards`` microbatches of a window of
+    ``steps`` (the gradient is exact either way, so only this count shows it); None where
+    it did in one, the window's last."""
+    if steps == 1 or backwards <= 1:
+        return None
+    which = (
+        "every microbatch"
+        if backwards >= steps
+        else f"{backwards} of a window's {steps} microbatches, not only its last"
+    )
+    return (
+        f"DDP all-reduced on {which}. It decides during the forward whether the backward "
+        "all-reduces, so the forward belongs inside no_sync() with its backward, on every "
+        "microbatch but a window's last (or set require_backward_grad_sync before the "
+        "forward, or use gradaccum.Accumulator)"
+    )

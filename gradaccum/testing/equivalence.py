@@ -30,11 +30,13 @@ from gradaccum.testing.counting import (
     Counts,
     WindowWatch,
     check_optimizers,
+    in_words,
     kind_named,
     usual,
 )
 from gradaccum.testing.diagnosis import (
     collective_problem,
+    ddp_problem,
     gap,
     gradient_problem,
     step_problem,
@@ -767,12 +769,26 @@ def _merge(setup: _Setup, runs: list[_Run]) -> AccumulationReport:
             f"{where} (tolerance {first.tolerance:.0e})"
         )
     for kind, count in setup.expect_collectives.items():
-        got = per_window.collectives.get(kind, 0)
-        outside = per_window.outside_backward.get(kind, 0)
         if problem := collective_problem(
-            kind, got, count, outside=outside, steps=setup.steps, ddp=first.ddp
+            kind,
+            per_window.collectives.get(kind, 0),
+            count,
+            outside=per_window.outside_backward.get(kind, 0),
+            backwards=per_window.backwards.get(kind, 0),
+            steps=setup.steps,
+            ddp=first.ddp,
         ):
             problems.append(problem)
+    # Under DDP, where no all-reduce count is expected, DDP's sync is still checked.
+    if (
+        first.ddp
+        and "all_reduce" not in setup.expect_collectives
+        and (why := ddp_problem(per_window.backwards.get("all_reduce", 0), setup.steps))
+    ):
+        problems.append(
+            f"{in_words(per_window.all_reduces, 'all_reduce')} per window at "
+            f"steps={setup.steps}: {why}"
+        )
     return AccumulationReport(
         steps=setup.steps,
         world_size=len(setup.batches),
