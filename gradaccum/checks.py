@@ -393,7 +393,15 @@ def check_num_items(num_items: object) -> int | torch.Tensor:
     integer becomes one)."""
     if isinstance(num_items, torch.Tensor):
         if num_items.dim() != 0:
-            msg = f"num_items must be a 0-dim tensor, got shape {tuple(num_items.shape)}"
+            msg = (
+                f"num_items must be a 0-dim tensor, got shape {tuple(num_items.shape)}; "
+                "pass the microbatch's item count, such as (labels != -100).sum()"
+            )
             raise ConfigError(msg)
         return num_items
-    return check_count(num_items, "num_items")
+    return check_count(
+        num_items,
+        "num_items",
+        "; pass the microbatch's item count as an int, or as the 0-dim tensor it was "
+        "counted in (not its .item(), which waits for the device)",
+    )

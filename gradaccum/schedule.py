@@ -45,15 +45,15 @@ def check_bool(value: object, name: str) -> bool:
     return value
 
 
-def check_count(value: object, name: str) -> int:
+def check_count(value: object, name: str, fix: str = "") -> int:
     """Return ``value`` as an int if it is an integer >= 0 (a NumPy one too), else raise
-    naming ``name`` and the value.
+    naming ``name`` and the value (and ``fix``, what to pass instead).
 
     Raises:
         ConfigTypeError: ``value`` is not an integer (bools are refused).
         ConfigError: ``value`` is negative.
     """
-    return _check_int(value, name, "a non-negative int", 0, "")
+    return _check_int(value, name, "a non-negative int", 0, fix)
 
 
 def check_positive(value: object, name: str) -> int:
