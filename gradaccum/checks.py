@@ -372,7 +372,11 @@ def check_scaler(scaler: object) -> torch.amp.GradScaler | None:
 def refuse_loss(loss: object) -> None:
     """Raise the error that says why ``loss`` cannot be back-propagated as a microstep."""
     if not isinstance(loss, torch.Tensor):
-        msg = f"loss must be a torch.Tensor, got {describe(loss)}"
+        msg = (
+            f"loss must be a torch.Tensor, got {describe(loss)}; pass the microbatch's loss "
+            "tensor itself: not its .item(), nor the model's whole output (a Hugging Face "
+            "model's loss is outputs.loss)"
+        )
         raise ConfigTypeError(msg)
     if loss.dim() != 0:
         msg = (

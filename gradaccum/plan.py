@@ -302,7 +302,11 @@ def check_epoch_length(n: int, steps: int, drop_last: bool, *, discarded: bool) 
     if trained_microbatches(n, steps, drop_last) > 0:
         return
     if n == 0:
-        msg = "the epoch's iterable is empty: it gives no optimizer step"
+        least = f"steps={steps} microbatches (drop_last=True)" if drop_last else "one microbatch"
+        msg = (
+            "the epoch's iterable is empty: it gives no optimizer step; pass one with at "
+            f"least {least}"
+        )
     else:
         msg = (
             f"the iterable's epoch of {n} microbatches gives no optimizer step with "

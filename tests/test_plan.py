@@ -668,10 +668,14 @@ class TestCheckEpochLength:
 
     @pytest.mark.parametrize("drop_last", [False, True])
     def test_empty(self, drop_last: bool) -> None:
-        """An empty epoch says so, whatever drop_last."""
+        """An empty epoch says so, whatever drop_last, and what one needs."""
         with pytest.raises(ConfigError) as caught:
             check_epoch_length(0, 4, drop_last, discarded=False)
-        assert str(caught.value) == "the epoch's iterable is empty: it gives no optimizer step"
+        least = "steps=4 microbatches (drop_last=True)" if drop_last else "one microbatch"
+        assert str(caught.value) == (
+            "the epoch's iterable is empty: it gives no optimizer step; pass one with at "
+            f"least {least}"
+        )
 
     def test_too_short_for_a_window(self) -> None:
         """An epoch shorter than a window under drop_last names its length, steps, and
