@@ -186,6 +186,7 @@ class Microstep:
         except BaseException as error:
             window.in_block = False
             self.busy = self.stopped
+            _note_backward_already(error)
             failed = fail(self.acc, error, in_collectives=True)
             if failed is not None:
                 raise failed from error
@@ -405,9 +406,10 @@ def _wiped_or_changed(block: Microstep, change: str) -> None:
     if change == "changed":
         warn(
             f"the gradient of this window was changed in place after microstep {window.done} "
-            f"of {window.size} (by clip_grad_norm_, say), so that change applied to a "
-            "partial sum; pass max_grad_norm= to the Accumulator, or clip inside the "
-            "boundary's block (when step.boundary is True)"
+            f"of {window.size} (by clip_grad_norm_, say, or a backward outside the "
+            "accumulator), so that change applied to a partial sum; pass max_grad_norm= to "
+            "the Accumulator, or clip inside the boundary's block (when step.boundary is "
+            "True); back-propagate the window's losses through acc.microstep alone"
         )
         return
     window.in_block = False
@@ -439,6 +441,21 @@ def _dropped_in_block(acc: Accumulator, step: Step) -> None:
     error = UsageError(msg)
     fail(acc, error)
     raise error
+
+
+def _note_backward_already(error: BaseException) -> None:
+    """A ``loss.backward()`` of the hand loop, kept before the block (or Accelerate's
+    ``accelerator.backward(loss)``), freed the graph, so the block's backward fails in torch
+    ("backward through the graph a second time"), whose advice, ``retain_graph=True``,
+    would count the microbatch twice. Say what to remove beside torch's message."""
+    if isinstance(error, RuntimeError) and "backward through the graph a second time" in str(error):
+        faults.add_note(
+            error,
+            "gradaccum: entering `with acc.microstep(loss):` runs the loss's backward; "
+            "this loss was back-propagated already. Remove the loss.backward() (or "
+            "accelerator.backward(loss), scaler.scale(loss).backward()) left in the loop, "
+            "rather than passing retain_graph=True, which would count the microbatch twice",
+        )
 
 
 def _note_unscaled_already(error: BaseException) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -60,6 +61,40 @@ def test_exception_applies_nothing_and_next_window_is_clean(where: str, at: int)
     assert scheduler.last_epoch == 0
     assert all(p.grad is None for p in model.parameters())
     assert max_param_diff(model, start) == 0
+    for batch in batches[4:]:
+        with acc.microstep(mean_loss(model, batch)):
+            pass
+    assert acc.global_step == 1
+    assert max_param_diff(model, reference_sgd(start, [batches[4:]], lr=0.1)) < TOL
+
+
+@pytest.mark.parametrize("at", [0, 3])  # the window's first microstep, and its boundary
+def test_a_backward_left_in_the_loop_is_named_beside_torch_s_error(at: int) -> None:
+    """A hand loop's ``loss.backward()`` kept before the block: the block's backward fails
+    in torch (the graph is freed), whose advice is retain_graph=True; the note says to
+    remove the call instead. The window is dropped and the next one starts clean."""
+    batches = make_batches([2] * 8)
+    model, _, _, acc = setup()
+    start = copy.deepcopy(model)
+    for index, batch in enumerate(batches[: at + 1]):
+        loss = mean_loss(model, batch)
+        if index < at:
+            with acc.microstep(loss):
+                pass
+            continue
+        loss.backward()  # mid-window, it also adds to the window's gradient: warned
+        warned = pytest.warns(gradaccum.GradaccumWarning, match="or a backward outside the")
+        with (
+            warned if at else contextlib.nullcontext(),
+            pytest.raises(RuntimeError, match="backward through the graph a second time") as caught,
+            acc.microstep(loss),
+        ):
+            pass
+    (note,) = caught.value.__notes__
+    assert note.startswith("gradaccum: entering `with acc.microstep(loss):` runs the loss's")
+    assert "Remove the loss.backward() (or accelerator.backward(loss)" in note
+    assert "retain_graph=True, which would count the microbatch twice" in note
+    assert all(p.grad is None for p in model.parameters())
     for batch in batches[4:]:
         with acc.microstep(mean_loss(model, batch)):
             pass
