@@ -16,7 +16,7 @@ import torch
 from gradaccum import boundary, checks, faults, hooks
 from gradaccum.errors import NonFiniteError, RankFailedError, UsageError, warn
 from gradaccum.step import Step
-from gradaccum.sync import LocalSync, SyncStrategy
+from gradaccum.sync import LocalSync, SyncStrategy, ddp_running_around, several_processes
 from gradaccum.window import State
 
 if TYPE_CHECKING:
@@ -104,16 +104,18 @@ class Microstep:
 
     def watch_model(self) -> hooks.Watch | None:
         """The hook on the model, only where something listens (hooks.py): a strategy that
-        sees each forward, and a forward's collective failing under several ranks."""
+        sees each forward, a forward's collective failing under several ranks, and the
+        first forward of a model taken for unwrapped on several processes."""
         acc = self.acc
         strategy = acc._strategy
         sees = type(strategy).forward_done is not SyncStrategy.forward_done
         guards = acc._ranks.count > 1 and strategy.forward_communicates
-        if not (sees or guards):
+        unwrapped = type(strategy) is LocalSync and several_processes()
+        if not (sees or guards or unwrapped):
             return None
         return hooks.watch(
             acc.model,
-            done=self.forward_done if sees else None,
+            done=self.forward_done if sees else self.first_forward if unwrapped else None,
             failed=self.forward_failed if guards else None,
         )
 
@@ -121,6 +123,26 @@ class Microstep:
         """After each forward of the model, for a strategy that sees each one
         (`SyncStrategy.forward_done`)."""
         self.acc._strategy.forward_done()
+
+    def first_forward(self) -> None:
+        """After the first forward of a model taken for unwrapped on several processes (and
+        then no more: the hook is taken off): refuse one that ran inside the forward of a
+        DDP built around it since, whose all-reduce the accumulator cannot defer."""
+        acc = self.acc
+        watch, acc._watch = acc._watch, None
+        if watch is not None:
+            watch.remove()
+        ddp = ddp_running_around(acc.model)
+        if ddp is not None:
+            msg = (
+                f"the model's forward runs inside a {type(ddp).__name__} built around it "
+                "after the Accumulator, which took the model for an unwrapped one: DDP would "
+                "all-reduce on every microbatch, and the ranks would not agree on the "
+                "epoch's length or the item totals. Build the Accumulator on the wrapped "
+                "model: after model = DistributedDataParallel(model), or on what "
+                "accelerator.prepare(model, ...) returns"
+            )
+            raise UsageError(msg)
 
     def forward_failed(self, error: BaseException) -> None:
         """A forward of the model raised, outside a microstep block (the block's exit sees an

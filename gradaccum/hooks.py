@@ -54,7 +54,7 @@ def _after_forward(model: nn.Module, _: object, output: object) -> None:
         return
     error = sys.exc_info()[1] if output is None else None
     if error is None:
-        for done in watched.done:
+        for done in tuple(watched.done):  # (a listener may take itself off)
             method = done()
             if method is not None:
                 method()

@@ -23,10 +23,12 @@ __all__ = [
     "SyncPolicy",
     "SyncStrategy",
     "clip_grad_norm",
+    "ddp_running_around",
     "full_tensor",
     "grad_norm",
     "no_sync",
     "register_sync_strategy",
+    "several_processes",
     "strategy_for",
     "unwrap",
 ]
@@ -96,7 +98,13 @@ StrategyFactory = Callable[[nn.Module, SyncPolicy], SyncStrategy]
 
 
 class LocalSync(SyncStrategy):
-    """A module that is not wrapped: its gradients live on this process, nothing to sync."""
+    """A module that is not wrapped: its gradients live on this process, nothing to sync.
+
+    On several processes a module may be wrapped after the accumulator took it (``model =
+    DDP(model)``, ``accelerator.prepare(model)`` after ``Accumulator(model, ...)``): then
+    the accumulator cannot defer DDP's all-reduce, nor agree with the other ranks, so the
+    first forward of such a module is looked at (`ddp_running_around`).
+    """
 
     group: dist.ProcessGroup | None = None
     grads_in_params = True
@@ -350,6 +358,22 @@ def _world() -> dist.ProcessGroup:
     group = dist.group.WORLD
     assert group is not None  # only called once a process group is up
     return group
+
+
+def several_processes() -> bool:
+    """Whether this process is one of several in an initialized default group."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def ddp_running_around(model: nn.Module) -> Any:
+    """The DDP module whose forward is running now, if it holds ``model``, else None: what
+    DDP records of its running forward for dynamo (``_active_ddp_module``)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = getattr(DistributedDataParallel, "_active_ddp_module", None)
+    if ddp is None or not any(module is model for module in ddp.modules()):
+        return None
+    return ddp
 
 
 def _outermost(model: nn.Module, cls: type) -> list[Any]:

@@ -283,3 +283,52 @@ def boundary_zero_grad(rank: int, world: int, kind: str) -> dict[str, Any]:
         "global_step": acc.global_step,
         "unchanged": all(torch.equal(p, q) for p, q in zip(before, after, strict=True)),
     }
+
+
+class Holder(nn.Module):
+    """``model`` inside a model of its own (what a DDP around a larger model holds)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.inner = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)  # type: ignore[no-any-return]
+
+
+def wrapped_after(rank: int, world: int) -> dict[str, Any]:
+    """An Accumulator built on a plain model that DDP wraps only afterwards (directly, or
+    inside a larger model), and one on a plain model that no DDP wraps: the error the
+    first forward raised, the hooks left on the model, and whether it trained."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    found: dict[str, Any] = {}
+    for name in ("wrapped after", "inside a wrapped model", "never wrapped"):
+        model = make_model()
+        before = full_params(model, "plain")
+        acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=2)
+        hooked = len(model._forward_hooks)
+        runs = model
+        if name == "wrapped after":
+            runs = DistributedDataParallel(model)
+        elif name == "inside a wrapped model":
+            runs = DistributedDataParallel(Holder(model))
+        error = None
+        try:
+            for batch in acc.epoch(rank_batches(rank, [2] * 4)):
+                with acc.microstep(mean_loss(runs, batch)):
+                    pass
+        except gradaccum.UsageError as refused:
+            error = str(refused)
+        found[name] = {
+            "error": error,
+            "hooked": hooked,
+            "hooks after": len(model._forward_hooks),
+            "global_step": acc.global_step,
+            "trained": not all(
+                torch.equal(p, q) for p, q in zip(before, full_params(model, "plain"), strict=True)
+            ),
+            "grads": [p.grad is None for p in model.parameters()],
+        }
+        acc.close()
+    return found

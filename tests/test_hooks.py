@@ -293,3 +293,28 @@ def test_zero_grad_in_the_boundary_block_is_refused_on_every_rank(kind: str) -> 
     for rank in run(hooks_distributed.boundary_zero_grad, 2, kind):
         assert "inside its boundary block" in (rank["error"] or "")
         assert (rank["stepped"], rank["global_step"], rank["unchanged"]) == (0, 0, True)
+
+
+def test_a_model_wrapped_in_ddp_after_the_accumulator_is_refused_at_its_first_forward() -> None:
+    """2 ranks, an Accumulator built on a plain model that DDP then wraps (``model =
+    DDP(model)``, or ``accelerator.prepare`` after the accumulator), directly or inside a
+    larger model: the accumulator took it for unwrapped, so DDP would all-reduce on every
+    microbatch (exact gradients: only a count shows it) and the ranks' epochs would not be
+    agreed. The first forward is refused, before any backward; on a plain model that no
+    DDP wraps (each rank trains its own), the one-forward look leaves no hook and it
+    trains."""
+    for rank in run(hooks_distributed.wrapped_after, 2):
+        for name in ("wrapped after", "inside a wrapped model"):
+            seen = rank[name]
+            assert seen["error"].startswith(
+                "the model's forward runs inside a DistributedDataParallel built around it "
+                "after the Accumulator"
+            ), seen
+            assert "Build the Accumulator on the wrapped model" in seen["error"]
+            assert (seen["hooked"], seen["hooks after"], seen["global_step"]) == (1, 0, 0)
+            assert not seen["trained"]
+            assert all(seen["grads"])
+        alone = rank["never wrapped"]
+        assert (alone["error"], alone["hooked"], alone["hooks after"]) == (None, 1, 0)
+        assert alone["global_step"] == 2
+        assert alone["trained"]
