@@ -13,8 +13,9 @@ import torch
 import gradaccum
 from gradaccum.testing import check_accumulation, expected_windows
 from gradaccum.testing.counting import KINDS, in_words
+from gradaccum.testing.diagnosis import blind_spots
 from tests import loops
-from tests.helpers import make_batches, make_model, mean_loss
+from tests.helpers import make_batches, make_model, mean_loss, sum_loss
 
 TOL = 1e-10
 
@@ -50,6 +51,51 @@ def test_a_hand_loop_passes_and_its_report_reads_ok() -> None:
     assert lines[0] == "accumulation at steps=4 on 1 rank (mean mode): ok"
     assert lines[1].startswith("  optimizer/scheduler steps 3/3 of 3; max |grad - reference| ")
     assert lines[2].startswith("  the reference stepped with the hyperparameters the trainer's")
+
+
+def test_blind_spots_are_shown_where_a_wrong_loop_would_pass() -> None:
+    """The hand loop averages its microbatches' means: in item mode it is wrong, and on
+    microbatches of equal item counts it trains exactly as the right loop, so it passes
+    there; the report says what these batches cannot show (with an epoch that steps
+    divides, the trailing partial window too), and on the usual batches says nothing."""
+    equal = [make_batches([2] * 12, seed=7)]
+    report = check_accumulation(
+        make_model, loops.sgd, loops.hand_loop, equal, sum_loss, steps=4, num_items=loops.items
+    )
+    assert report.ok, report
+    assert report.blind_spots == [
+        "the epoch's 12 microbatches fill its windows of steps=4, so what the loop does "
+        "with a trailing partial window is not seen: give an epoch whose length steps "
+        "does not divide",
+        "every microbatch of a window holds as many items, so a loop that averages the "
+        "microbatches' means (instead of dividing by the window's items) passes too: give "
+        "microbatches of different item counts",
+    ]
+    assert repr(report).splitlines()[-2:] == [
+        f"  not seen with these batches: {spot}" for spot in report.blind_spots
+    ]
+    one = check_accumulation(
+        make_model, loops.sgd, loops.hand_loop, [make_batches([1, 2, 3, 4])], mean_loss, steps=4
+    )
+    assert one.ok, one
+    assert [spot.split(":")[0] for spot in one.blind_spots] == [
+        "the epoch's 4 microbatches fill its windows of steps=4, so what the loop does with "
+        "a trailing partial window is not seen",
+        "one window in the run",
+    ]
+    wrong = loops.check(loops.hand_loop, by_items=True)  # 13 microbatches of varying rows
+    assert not wrong.ok
+    assert wrong.blind_spots == []
+
+
+def test_blind_spots_of_the_ranks_item_counts() -> None:
+    """Two ranks whose windows hold as many items each (though their microbatches differ):
+    a loop that divides by its own rank's items would pass; other counts show it."""
+    windows = expected_windows(8, 4)
+    (spot,) = blind_spots(windows, n_batches=9, steps=4, items=[[1, 3, 2, 2] * 2, [2] * 8])
+    assert spot.startswith("every rank's window holds as many items, so a loop that divides")
+    assert blind_spots(windows, n_batches=9, steps=4, items=[[1, 3, 2, 2] * 2, [3] * 8]) == []
+    assert blind_spots(windows, n_batches=9, steps=4, items=None) == []
 
 
 def unscaled_loop(model: Any, optimizer: Any, scheduler: Any, batches: Any) -> None:

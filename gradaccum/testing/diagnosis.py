@@ -12,7 +12,15 @@ from gradaccum.schedule import total_steps
 from gradaccum.schedule import trained_microbatches as _trained
 from gradaccum.testing.counting import in_words
 
-__all__ = ["collective_problem", "ddp_problem", "gap", "gradient_problem", "step_problem", "worse"]
+__all__ = [
+    "blind_spots",
+    "collective_problem",
+    "ddp_problem",
+    "gap",
+    "gradient_problem",
+    "step_problem",
+    "worse",
+]
 
 
 def gap(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -170,3 +178,41 @@ def ddp_problem(backwards: int, steps: int) -> str | None:
         "microbatch but a window's last (or set require_backward_grad_sync before the "
         "forward, or use gradaccum.Accumulator)"
     )
+
+
+def blind_spots(
+    windows: list[range], *, n_batches: int, steps: int, items: list[list[int]] | None
+) -> list[str]:
+    """The mistakes that these batches cannot show, because on them a loop making it
+    trains exactly as the right one: ``windows`` (every epoch's, `expected_windows`), of
+    an epoch of ``n_batches`` microbatches, with ``items`` each rank's item counts in item
+    mode."""
+    spots = []
+    if steps > 1 and n_batches % steps == 0:
+        spots.append(
+            f"the epoch's {n_batches} microbatches fill its windows of steps={steps}, so "
+            "what the loop does with a trailing partial window is not seen: give an epoch "
+            "whose length steps does not divide"
+        )
+    if len(windows) < 2:
+        spots.append(
+            "one window in the run: a gradient left from the previous window (a missing "
+            "zero_grad()) is not seen; give at least two"
+        )
+    if items is not None and windows:
+        same = all(len({mine[i] for mine in items for i in window}) == 1 for window in windows)
+        if same and max(map(len, windows)) > 1:
+            spots.append(
+                "every microbatch of a window holds as many items, so a loop that averages "
+                "the microbatches' means (instead of dividing by the window's items) passes "
+                "too: give microbatches of different item counts"
+            )
+        elif len(items) > 1 and all(
+            len({sum(mine[i] for i in window) for mine in items}) == 1 for window in windows
+        ):
+            spots.append(
+                "every rank's window holds as many items, so a loop that divides by its own "
+                "rank's items (instead of every rank's) passes too: give the ranks windows "
+                "of different item counts"
+            )
+    return spots

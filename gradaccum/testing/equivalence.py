@@ -35,6 +35,7 @@ from gradaccum.testing.counting import (
     usual,
 )
 from gradaccum.testing.diagnosis import (
+    blind_spots,
     collective_problem,
     ddp_problem,
     gap,
@@ -135,6 +136,9 @@ class AccumulationReport:
         ranks_agree: Every rank made as many optimizer and scheduler steps.
         problems: The promises broken, in words, each with the mistake it most likely
             comes from; empty when the check passes.
+        blind_spots: The mistakes these batches cannot show (a loop making one trains
+            exactly as the right one on them), with what batches would: an epoch that
+            ``steps`` divides, one window, equal item counts. Shown, not failed.
     """
 
     steps: int
@@ -155,6 +159,7 @@ class AccumulationReport:
     worst_grad_window: int | None = None
     gradients: Literal["full", "norm"] = "full"
     learning_rates: list[list[float]] = field(default_factory=list)
+    blind_spots: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -186,6 +191,7 @@ class AccumulationReport:
             f"|param - reference| {self.max_abs_diff:.1e} (tolerance {self.tolerance:.0e}); "
             f"per window: {self.per_window}",
             f"  the reference stepped with the hyperparameters the trainer's optimizers held{lr}",
+            *(f"  not seen with these batches: {spot}" for spot in self.blind_spots),
         ]
         return "\n".join(lines)
 
@@ -472,6 +478,13 @@ class _Setup:
             "make_optimizer must return a torch.optim.Optimizer or a non-empty sequence of them"
         )
         return made, check_optimizers(made, expected)
+
+    def item_counts(self) -> list[list[int]] | None:
+        """Each rank's microbatches' items in item mode, else None."""
+        count = self.num_items
+        if count is None:
+            return None
+        return [[int(count(batch)) for batch in mine] for mine in self.batches]
 
     def window_lengths(self) -> list[int]:
         """The microbatches of each window of every epoch, in order."""
@@ -810,6 +823,16 @@ def _merge(setup: _Setup, runs: list[_Run]) -> AccumulationReport:
         worst_grad_window=grad_where,
         gradients=first.gradients,
         learning_rates=first.learning_rates,
+        blind_spots=blind_spots(
+            [
+                w
+                for _ in range(setup.epochs)
+                for w in expected_windows(n, setup.steps, setup.drop_last)
+            ],
+            n_batches=n,
+            steps=setup.steps,
+            items=setup.item_counts(),
+        ),
     )
 
 
