@@ -173,11 +173,13 @@ class Accumulator:
         (whose remaining microbatches are then cut into windows of the new size), and
         also at the top of the loop body, after the next window's first microbatch was
         handed out: a warm-up of accumulation, e.g.
-        ``acc.steps = steps_at_epoch(schedule, epoch)``.
+        ``acc.steps = steps_at_epoch(schedule, epoch)``. Setting the value it has changes
+        nothing, mid-window too.
 
         Raises:
             ConfigTypeError, ConfigError: The value is not a positive int.
-            UsageError: A window is open, or the accumulator is closed.
+            UsageError: A window is open (and the value is another), or the accumulator
+                is closed.
             ConfigError: The wrapping cannot defer (DDP ``static_graph=True``) and the
                 value is above 1.
         """
@@ -187,6 +189,8 @@ class Accumulator:
     def steps(self, value: int) -> None:
         steps = check_steps(value)
         self._life.check("steps was set; it")
+        if steps == self._steps:  # (a loop that sets it at every microbatch, unchanged)
+            return
         window = self._window
         if window.is_open:
             msg = (

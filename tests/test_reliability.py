@@ -193,9 +193,31 @@ def test_steps_cannot_change_mid_window() -> None:
         pass
     with pytest.raises(gradaccum.UsageError, match="steps was set to 3 mid-window"):
         acc.steps = 3
+    acc.steps = 2  # the value it has: nothing changes (a loop setting it every microbatch)
     with acc.microstep(mean_loss(model, BATCHES[1])):
         pass
     assert (acc.steps, acc.global_step) == (2, 1)
+
+
+def test_steps_set_to_its_value_at_every_microbatch_changes_nothing() -> None:
+    """``acc.steps = steps_at_epoch(schedule, epoch)`` written at the top of the loop body
+    (every microbatch, not every epoch): the same value mid-window is no change, and the
+    run is the one without the line, bit for bit."""
+    schedule = {0: 2, 1: 4}
+    runs = []
+    for every_microbatch in (False, True):
+        model, _, acc = setup(steps=2)
+        for epoch in range(2):
+            acc.steps = gradaccum.steps_at_epoch(schedule, epoch)
+            for batch in acc.epoch(BATCHES):
+                if every_microbatch:
+                    acc.steps = gradaccum.steps_at_epoch(schedule, epoch)
+                with acc.microstep(mean_loss(model, batch)):
+                    pass
+        runs.append((acc.global_step, [p.detach().clone() for p in model.parameters()]))
+    (steps, before), (again, after) = runs
+    assert steps == again == len(BATCHES) // 2 + len(BATCHES) // 4
+    assert all(torch.equal(p, q) for p, q in zip(before, after, strict=True))
 
 
 def test_state_with_other_steps_loads_at_an_epoch_boundary_when_asked() -> None:

@@ -427,8 +427,9 @@ class AccumulatorMachine(RuleBasedStateMachine):
                     "after the `with` block",
                     lambda: self.acc.state_dict(include_grads=True),
                 )
+                other = contract.steps + 1  # (the value it has is a no-op)
                 self.refused(
-                    gradaccum.UsageError, "mid-window", lambda: setattr(self.acc, "steps", 1)
+                    gradaccum.UsageError, "mid-window", lambda: setattr(self.acc, "steps", other)
                 )
                 event(f"refused: state_dict and steps inside a {'boundary ' * boundary}block")
             if boundary:
@@ -453,8 +454,9 @@ class AccumulatorMachine(RuleBasedStateMachine):
     # Calls between windows ---------------------------------------------------------
 
     def set_steps(self, steps: int, where: str) -> None:
-        """``acc.steps = steps``: accepted between windows, refused mid-window."""
-        if self.contract.window:
+        """``acc.steps = steps``: accepted between windows, refused mid-window unless it is
+        the value it has (a no-op)."""
+        if self.contract.window and steps != self.contract.steps:
             self.refused(
                 gradaccum.UsageError, "mid-window", lambda: setattr(self.acc, "steps", steps)
             )
