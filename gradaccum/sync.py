@@ -627,7 +627,9 @@ def no_sync(model: nn.Module) -> AbstractContextManager[None]:
     Use it around both the forward and the backward of a non-boundary microstep;
     the state found on entry is restored on exit. An unwrapped module has nothing
     to sync, so the block is a no-op. Under ``fully_shard`` (and HSDP) neither the
-    reduce-scatter nor the all-reduce runs, so unsharded gradients are held.
+    reduce-scatter nor the all-reduce runs, so unsharded gradients are held. Under DDP,
+    which decides in the forward, a block whose backward's forward ran before it (so
+    that it all-reduced after all) is warned about on leaving it.
 
     Raises:
         ConfigTypeError: ``model`` is not a ``torch.nn.Module``.
@@ -658,7 +660,26 @@ def _no_sync(model: nn.Module) -> Iterator[None]:
         )
         raise ConfigError(msg) from None
     strategy.arm(False)
+    first = next(model.parameters(), None)
+    before = None if first is None else first.grad
+    version = None if before is None else before._version
     try:
         yield
+        # A wrapper that decides in the forward records what its last forward decided:
+        # one that ran before the block, set to sync, made the block's backward sync
+        # (a backward ran: the first parameter's gradient is another, or written since).
+        now = None if first is None else first.grad
+        synced = (
+            strategy.decides_in_forward
+            and strategy.overridden() is not None
+            and (now is not before or (now is not None and now._version != version))
+        )
     finally:
         strategy.restore()
+    if synced:
+        warn(
+            "the backward inside gradaccum.no_sync(model) all-reduced the gradient: DDP "
+            "decides during the forward whether the backward all-reduces, and the last "
+            "forward ran before the block, while DDP was set to all-reduce; put the "
+            "microbatch's forward inside the block with its backward"
+        )

@@ -161,6 +161,42 @@ def test_a_divide_factor_other_than_the_ranks_is_refused() -> None:
 
 
 @pytest.mark.usefixtures("process_group")
+def test_no_sync_around_a_backward_whose_forward_ran_before_it_is_warned_about() -> None:
+    """The bug gradaccum was born from, in a hand loop that takes only gradaccum.no_sync:
+    the forward before the block, the backward inside it. DDP decided in the forward, so
+    the backward all-reduced after all (counted); leaving the block warns. The forward
+    inside the block all-reduces nothing and warns nothing; neither does a block that ran
+    no backward."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from gradaccum.testing import CollectiveCounter
+
+    ddp = DistributedDataParallel(make_model())
+    batch = make_batches([2])[0]
+    with CollectiveCounter() as outside:
+        loss = mean_loss(ddp, batch)
+        with pytest.warns(gradaccum.GradaccumWarning) as caught, gradaccum.no_sync(ddp):
+            loss.backward()
+    (warning,) = caught
+    assert str(warning.message).startswith(
+        "the backward inside gradaccum.no_sync(model) all-reduced the gradient: DDP decides "
+        "during the forward"
+    )
+    assert warning.filename == __file__
+    assert outside.counts.all_reduces == 1
+    ddp.zero_grad()
+    with warnings.catch_warnings(), CollectiveCounter() as inside:
+        warnings.simplefilter("error", gradaccum.GradaccumWarning)
+        with gradaccum.no_sync(ddp):
+            mean_loss(ddp, batch).backward()
+        mean_loss(ddp, batch)  # the flag is back: a forward before an empty block
+        with gradaccum.no_sync(ddp):
+            pass
+    assert inside.counts.all_reduces == 0
+    assert ddp.require_backward_grad_sync
+
+
+@pytest.mark.usefixtures("process_group")
 def test_no_sync_refuses_static_graph_with_a_fix_it_can_take() -> None:
     """no_sync() has no sync argument, so its refusal of static_graph=True says what to do
     instead; the DDP flag is left as it was."""
