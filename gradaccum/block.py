@@ -125,9 +125,12 @@ class Microstep:
         self.acc._strategy.forward_done()
 
     def first_forward(self) -> None:
-        """After the first forward of a model taken for unwrapped on several processes (and
-        then no more: the hook is taken off): refuse one that ran inside the forward of a
-        DDP built around it since, whose all-reduce the accumulator cannot defer."""
+        """After the first forward under grad mode (a training forward, not an evaluation's)
+        of a model taken for unwrapped on several processes, and then no more (the hook is
+        taken off): refuse one that ran inside the forward of a DDP built around it since,
+        whose all-reduce the accumulator cannot defer."""
+        if not torch.is_grad_enabled():
+            return
         acc = self.acc
         watch, acc._watch = acc._watch, None
         if watch is not None:

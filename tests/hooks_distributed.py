@@ -298,8 +298,9 @@ class Holder(nn.Module):
 
 def wrapped_after(rank: int, world: int) -> dict[str, Any]:
     """An Accumulator built on a plain model that DDP wraps only afterwards (directly, or
-    inside a larger model), and one on a plain model that no DDP wraps: the error the
-    first forward raised, the hooks left on the model, and whether it trained."""
+    inside a larger model), and one on a plain model that no DDP wraps, each evaluated
+    first under no_grad: the error the first training forward raised, the hooks left on
+    the model, and whether it trained."""
     from torch.nn.parallel import DistributedDataParallel
 
     found: dict[str, Any] = {}
@@ -314,6 +315,8 @@ def wrapped_after(rank: int, world: int) -> dict[str, Any]:
         elif name == "inside a wrapped model":
             runs = DistributedDataParallel(Holder(model))
         error = None
+        with torch.no_grad():  # an evaluation first, of the model itself: still looked at after
+            mean_loss(model, rank_batches(rank, [2])[0])
         try:
             for batch in acc.epoch(rank_batches(rank, [2] * 4)):
                 with acc.microstep(mean_loss(runs, batch)):

@@ -300,9 +300,9 @@ def test_a_model_wrapped_in_ddp_after_the_accumulator_is_refused_at_its_first_fo
     DDP(model)``, or ``accelerator.prepare`` after the accumulator), directly or inside a
     larger model: the accumulator took it for unwrapped, so DDP would all-reduce on every
     microbatch (exact gradients: only a count shows it) and the ranks' epochs would not be
-    agreed. The first forward is refused, before any backward; on a plain model that no
-    DDP wraps (each rank trains its own), the one-forward look leaves no hook and it
-    trains."""
+    agreed. The first training forward is refused, before any backward (an evaluation's
+    under no_grad before it is not looked at); on a plain model that no DDP wraps (each
+    rank trains its own), the one-forward look leaves no hook and it trains."""
     for rank in run(hooks_distributed.wrapped_after, 2):
         for name in ("wrapped after", "inside a wrapped model"):
             seen = rank[name]
