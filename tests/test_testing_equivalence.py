@@ -128,6 +128,16 @@ def no_zero_grad_loop(model: Any, optimizer: Any, scheduler: Any, batches: Any) 
             scheduler.step()
 
 
+def zero_before_step_loop(model: Any, optimizer: Any, scheduler: Any, batches: Any) -> None:
+    """Clears the gradient at the boundary before the step (the lines swapped)."""
+    for index, batch in enumerate(batches[:12]):
+        (mean_loss(model, batch) / 4).backward()
+        if index % 4 == 3:
+            optimizer.zero_grad()
+            optimizer.step()
+            scheduler.step()
+
+
 def partial_by_steps_loop(model: Any, optimizer: Any, scheduler: Any, batches: Any) -> None:
     """Steps the trailing partial window, as drop_last=False asks, but divides its
     microbatch's loss by steps, not by the window's 1 microbatch."""
@@ -194,6 +204,15 @@ PARAMETERS = "parameters off the float64 big-batch reference by"
             ],
         ),
         (
+            zero_before_step_loop,
+            {},
+            [
+                "the gradient of window 1 is 0.00x the reference's: the optimizer stepped with "
+                "no gradient: is zero_grad() called before step(), or, under fully_shard, "
+                "set_requires_gradient_sync(False) left on for the window's last microbatch"
+            ],
+        ),
+        (
             remainder_loop,
             {},
             [
@@ -240,6 +259,7 @@ PARAMETERS = "parameters off the float64 big-batch reference by"
         "divided_twice",
         "partial_window_by_steps",
         "no_zero_grad",
+        "zero_before_step",
         "remainder_stepped",
         "last_window_never_stepped",
         "partial_window_never_stepped",

@@ -102,7 +102,15 @@ def gradient_problem(
     squared = float(want @ want)
     scale = float(got @ want) / squared if squared > 0 else math.nan
     if math.isfinite(scale) and gap(got, scale * want) <= tolerance:
-        hint = None if items else _factor_hint(scale, length, steps, world)
+        if not got.any():
+            hint: str | None = (
+                "the optimizer stepped with no gradient: is zero_grad() called before "
+                "step(), or, under fully_shard, set_requires_gradient_sync(False) left on "
+                "for the window's last microbatch (its gradient then never reaches the "
+                "shards)?"
+            )
+        else:
+            hint = None if items else _factor_hint(scale, length, steps, world)
         return f"the {noun} of window {window} is {scale:.2f}x the reference's" + (
             f": {hint}" if hint else ""
         )

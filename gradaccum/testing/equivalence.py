@@ -242,8 +242,8 @@ def check_accumulation(
     it; a problem names the likely mistake where what was seen shows one: a gradient a
     constant factor off ("4.00x the reference's: is the loss divided by steps?"), the
     last partial window divided by ``steps``, the previous window's gradient left in
-    (no ``zero_grad()``), a scheduler stepped per microbatch, a window never stepped,
-    DDP all-reducing on every microbatch.
+    (no ``zero_grad()``), a scheduler stepped per microbatch, a window never stepped or
+    stepped with no gradient, DDP all-reducing on every microbatch.
 
     With ``len(batches)`` above 1, the ranks are launched with `run_ranks` (so every
     callable must be a module-level function or a ``functools.partial`` of one), unless
