@@ -332,6 +332,7 @@ def checks(rank: int, world: int) -> dict[str, Any]:
             functools.partial(hand_loop, forward_inside=False), **ddp
         ),
         "synced_twice": check(functools.partial(hand_loop, synced=2), **ddp),
+        "never_synced": check(functools.partial(hand_loop, synced=0), **ddp),
         "forward_inside_unexpected": check(hand_loop, **ddp),
         "scheduler_every_microbatch": check(
             functools.partial(hand_loop, scheduler_every_microbatch=True), **ddp

@@ -86,7 +86,8 @@ def test_ddp_s_sync_is_checked_without_an_expected_count() -> None:
     with no ``expect_collectives`` given: the forward outside no_sync() fails (it passed
     before, with exact gradients), and so does a loop that syncs the last two
     microbatches of each window (exact too: the second all-reduce adds the last
-    microbatch's gradient to an average); the right loop passes."""
+    microbatch's gradient to an average), and one that never syncs is told why its
+    gradient is off; the right loop passes."""
     for report in checked("forward_outside_unexpected"):
         assert report.max_abs_diff <= TOL
         assert report.problems == [
@@ -103,6 +104,13 @@ def test_ddp_s_sync_is_checked_without_an_expected_count() -> None:
     for report in checked("forward_inside_unexpected"):
         assert report.ok, report
         assert report.per_window.backwards == {"all_reduce": 1}
+    for report in checked("never_synced"):  # no_sync() on the last microbatch too
+        assert report.problems[-1] == (
+            "0 all-reduces per window at steps=4: DDP never all-reduced the window's "
+            "gradient, so each rank stepped with its own: is no_sync() (or "
+            "require_backward_grad_sync = False) left on for the window's last microbatch?"
+        )
+        assert report.problems[0].startswith("the gradient of window 1 is off the float64")
 
 
 def test_a_trainer_s_own_all_reduces_pass_without_an_expected_count() -> None:

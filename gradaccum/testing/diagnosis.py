@@ -146,13 +146,21 @@ def _factor_hint(scale: float, length: int, steps: int, world: int) -> str | Non
 
 
 def collective_problem(
-    kind: str, got: int, count: int, *, outside: int = 0, backwards: int = 0, steps: int, ddp: bool
+    kind: str,
+    got: int,
+    count: int,
+    *,
+    outside: int = 0,
+    backwards: int = 0,
+    steps: int,
+    ddp: bool,
+    gradient_off: bool = False,
 ) -> str | None:
     """``4 all-reduces per window at steps=4, expected 1``, and why: how many ran in the
     backward and how many (``outside``) outside it, which are the trainer's own (a
     metric's all-reduce), not the gradient's; and for DDP all-reducing in more than one
-    of the ``backwards`` of a window, `ddp_problem`. None when the count is the expected
-    one."""
+    of the ``backwards`` of a window, `ddp_problem` (``gradient_off``: a window's
+    gradient was off the reference's). None when the count is the expected one."""
     if got == count:
         return None
     problem = f"{in_words(got, kind)} per window at steps={steps}, expected {count}"
@@ -164,15 +172,23 @@ def collective_problem(
             else ""  # (FSDP's forward all-gathers run outside it too)
         )
         problem += f" ({got - outside} in the backward, {outside} outside it{whose})"
-    if kind == "all_reduce" and ddp and (why := ddp_problem(backwards, steps)):
+    if kind == "all_reduce" and ddp and (why := ddp_problem(backwards, steps, gradient_off)):
         problem += f": {why}"
     return problem
 
 
-def ddp_problem(backwards: int, steps: int) -> str | None:
+def ddp_problem(backwards: int, steps: int, gradient_off: bool) -> str | None:
     """Why DDP all-reduced in the backward of ``backwards`` microbatches of a window of
-    ``steps`` (the gradient is exact either way, so only this count shows it); None where
-    it did in one, the window's last."""
+    ``steps``: more than one (the gradient is exact either way, so only this count shows
+    it), or none while the gradient is off (each rank stepped with its own: with an exact
+    gradient, DDP sent it where the counter does not see, through a comm hook of its
+    own); None where it did in one, the window's last."""
+    if backwards == 0 and gradient_off:
+        return (
+            "DDP never all-reduced the window's gradient, so each rank stepped with its "
+            "own: is no_sync() (or require_backward_grad_sync = False) left on for the "
+            "window's last microbatch?"
+        )
     if steps == 1 or backwards <= 1:
         return None
     which = (

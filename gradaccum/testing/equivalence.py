@@ -790,13 +790,14 @@ def _merge(setup: _Setup, runs: list[_Run]) -> AccumulationReport:
             backwards=per_window.backwards.get(kind, 0),
             steps=setup.steps,
             ddp=first.ddp,
+            gradient_off=bool(off),
         ):
             problems.append(problem)
     # Under DDP, where no all-reduce count is expected, DDP's sync is still checked.
     if (
         first.ddp
         and "all_reduce" not in setup.expect_collectives
-        and (why := ddp_problem(per_window.backwards.get("all_reduce", 0), setup.steps))
+        and (why := ddp_problem(per_window.backwards.get("all_reduce", 0), setup.steps, bool(off)))
     ):
         problems.append(
             f"{in_words(per_window.all_reduces, 'all_reduce')} per window at "
