@@ -276,8 +276,10 @@ def check_accumulation(
         max_grad_norm: The clipping ``train`` applies to each window's gradient.
         expect_collectives: Collectives a window must usually run, by kind, as a report
             names them (``"all_reduce"`` or ``"all-reduce"``, ``"reduce"``,
-            ``"all_gather"``, ...: `gradaccum.testing.Counts` lists them), such as
-            ``{"all_reduce": 1}`` for DDP that syncs once per window.
+            ``"all_gather"``, ...: `gradaccum.testing.Counts` lists them), the trainer's
+            own included: ``{"all_reduce": 1}`` for DDP that syncs once per window and
+            all-reduces nothing else. Without an all-reduce count, a DDP model's sync is
+            checked anyway: its all-reduces must run in one backward a window.
         tolerance: The largest gap accepted, for gradients and parameters; by default
             1e-10 for a float64 model, 1e-4 for float32, 5e-2 below.
         backend: The launched ranks' backend, ``"gloo"`` or ``"nccl"``.
