@@ -96,6 +96,8 @@ def test_blind_spots_of_the_ranks_item_counts() -> None:
     assert spot.startswith("every rank's window holds as many items, so a loop that divides")
     assert blind_spots(windows, n_batches=9, steps=4, items=[[1, 3, 2, 2] * 2, [3] * 8]) == []
     assert blind_spots(windows, n_batches=9, steps=4, items=None) == []
+    # One window an epoch, over two epochs: two windows in the run.
+    assert blind_spots(expected_windows(5, 4) * 2, n_batches=5, steps=4, items=None) == []
 
 
 def unscaled_loop(model: Any, optimizer: Any, scheduler: Any, batches: Any) -> None:
