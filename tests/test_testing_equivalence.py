@@ -88,6 +88,24 @@ def test_blind_spots_are_shown_where_a_wrong_loop_would_pass() -> None:
     assert wrong.blind_spots == []
 
 
+def test_a_threshold_no_window_reaches_is_a_blind_spot_for_clipping() -> None:
+    """The hand loop never clips: checked with a max_grad_norm no window's gradient
+    reaches it passes, and the report says that clipping was not seen; with one every
+    window's exceeds, the missing clip fails; the extremes are said either way."""
+    unseen = loops.check(loops.hand_loop, max_grad_norm=1e6)
+    assert unseen.ok, unseen
+    (spot,) = unseen.blind_spots
+    assert spot.startswith("no window's gradient norm (at most ")
+    assert "reached max_grad_norm=1e+06, so a loop that does not clip" in spot
+    caught = loops.check(loops.hand_loop, max_grad_norm=1e-6)
+    assert not caught.ok
+    (spot,) = caught.blind_spots
+    assert spot.startswith("every window's gradient norm (at least ")
+    assert "a gradient off by a constant factor (a loss not divided by steps) passes" in spot
+    kept = (0.3, 0.29, 0.34)  # some windows clipped, some not: nothing hidden
+    assert blind_spots(expected_windows(9, 4), n_batches=9, steps=4, items=None, clip=kept) == []
+
+
 def test_blind_spots_of_the_ranks_item_counts() -> None:
     """Two ranks whose windows hold as many items each (though their microbatches differ):
     a loop that divides by its own rank's items would pass; other counts show it."""

@@ -205,13 +205,33 @@ def ddp_problem(backwards: int, steps: int, gradient_off: bool) -> str | None:
 
 
 def blind_spots(
-    windows: list[range], *, n_batches: int, steps: int, items: list[list[int]] | None
+    windows: list[range],
+    *,
+    n_batches: int,
+    steps: int,
+    items: list[list[int]] | None,
+    clip: tuple[float | None, float, float] = (None, 0.0, 0.0),
 ) -> list[str]:
     """The mistakes that these batches cannot show, because on them a loop making it
     trains exactly as the right one: ``windows`` (every epoch's, `expected_windows`), of
     an epoch of ``n_batches`` microbatches, with ``items`` each rank's item counts in item
-    mode."""
+    mode, and ``clip`` the clipping asked for and the least and largest window gradient
+    norms it met (before clipping)."""
     spots = []
+    max_norm, least, largest = clip
+    if max_norm is not None and largest <= max_norm:
+        spots.append(
+            f"no window's gradient norm (at most {largest:.2g}) reached "
+            f"max_grad_norm={max_norm:g}, so a loop that does not clip, or clips each "
+            "microbatch, passes too: give a max_grad_norm below some windows' norms"
+        )
+    elif max_norm is not None and least > max_norm:
+        spots.append(
+            f"every window's gradient norm (at least {least:.2g}) exceeded "
+            f"max_grad_norm={max_norm:g}, so each was clipped to that norm, and a "
+            "gradient off by a constant factor (a loss not divided by steps) passes too: "
+            "give a max_grad_norm above some windows' norms"
+        )
     if steps > 1 and n_batches % steps == 0:
         spots.append(
             f"the epoch's {n_batches} microbatches fill its windows of steps={steps}, so "

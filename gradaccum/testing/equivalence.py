@@ -537,6 +537,7 @@ class _Run:
     gradients: Literal["full", "norm"]
     learning_rates: list[list[float]]
     ddp: bool
+    norms: tuple[float, float]  # the reference's least and largest gradient norms, unclipped
 
 
 def _run_on_rank(rank: int, world: int, setup: _Setup) -> _Run:
@@ -619,7 +620,12 @@ def _run(setup: _Setup, rank: int) -> _Run:
         gradients="norm" if observed.norm_only else "full",
         learning_rates=observed.learning_rates(),
         ddp=isinstance(unwrap(wrapped), DistributedDataParallel),
+        norms=_extremes([float(flat(window.raw).norm()) for window in windows]),
     )
+
+
+def _extremes(values: list[float]) -> tuple[float, float]:
+    return (min(values), max(values)) if values else (0.0, 0.0)
 
 
 def _counted(step: Callable[..., Any], counts: dict[str, int], name: str) -> Callable[..., Any]:
@@ -835,6 +841,7 @@ def _merge(setup: _Setup, runs: list[_Run]) -> AccumulationReport:
             n_batches=n,
             steps=setup.steps,
             items=setup.item_counts(),
+            clip=(setup.max_grad_norm, *first.norms),
         ),
     )
 
