@@ -286,16 +286,41 @@ def metrics_loop(
             window, rows = [], 0
 
 
-def check(loop: Any, *, by_items: bool = False, **options: Any) -> AccumulationReport:
+def own_items_loop(
+    model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, batches: Sequence[Batch]
+) -> None:
+    """Item mode done per rank (a bug): each rank divides its summed losses by its own
+    window's items, and DDP averages those means, forward inside ``no_sync()`` off the
+    boundary."""
+    no_sync = getattr(model, "no_sync", contextlib.nullcontext)
+    for start in range(0, len(batches) // STEPS * STEPS, STEPS):
+        window = batches[start : start + STEPS]
+        own = sum(items(batch) for batch in window)
+        for index, batch in enumerate(window):
+            with contextlib.nullcontext() if index == STEPS - 1 else no_sync():
+                (sum_loss(model, batch) / own).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+
+
+def check(
+    loop: Any, *, by_items: bool = False, uneven: bool = False, **options: Any
+) -> AccumulationReport:
     """``loop`` checked on this process's ranks (one, or those of the group) in the mean
-    mode, or by items with ``by_items``, with a StepLR; ``options`` go to
-    `check_accumulation`."""
+    mode, or by items with ``by_items``, with a StepLR; with ``uneven``, the last rank's
+    microbatches have their rows in reverse order (so the ranks' windows hold different
+    items); ``options`` go to `check_accumulation`."""
     world = dist.get_world_size() if dist.is_initialized() else 1
+    reverse = uneven and world > 1
     return check_accumulation(
         make_model,
         sgd,
         loop,
-        [rank_batches(rank) for rank in range(world)],
+        [
+            rank_batches(rank, SIZES[::-1] if reverse and rank == world - 1 else SIZES)
+            for rank in range(world)
+        ],
         sum_loss if by_items else mean_loss,
         steps=STEPS,
         num_items=items if by_items else None,
@@ -338,6 +363,9 @@ def checks(rank: int, world: int) -> dict[str, Any]:
             functools.partial(hand_loop, scheduler_every_microbatch=True), **ddp
         ),
         "mean_of_means": check(hand_loop, by_items=True, **ddp),
+        "own_rank_items": check(own_items_loop, by_items=True, uneven=True, **ddp),
+        "own_rank_items_even": check(own_items_loop, by_items=True, **ddp),
+        "ddp_items_uneven": check(items_loop, by_items=True, uneven=True, **ddp),
         "fsdp1_unscaled": check(
             functools.partial(hand_loop, divisor=1),
             wrap=functools.partial(FullyShardedDataParallel, device_id=torch.device("cpu")),

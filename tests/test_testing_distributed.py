@@ -113,6 +113,23 @@ def test_ddp_s_sync_is_checked_without_an_expected_count() -> None:
         assert report.problems[0].startswith("the gradient of window 1 is off the float64")
 
 
+def test_each_rank_dividing_by_its_own_items_fails_where_the_ranks_differ() -> None:
+    """Item mode done per rank (each divides by its own window's items, DDP averages the
+    means): wrong, and caught where the ranks' windows hold different items; where they
+    hold as many (the same rows on every rank) it trains as the right loop and passes,
+    and the report names that blind spot. The Accumulator passes the uneven ranks."""
+    for report in checked("own_rank_items"):
+        assert report.problems[0].startswith("the gradient of window 1 is off the float64")
+        assert report.blind_spots == []
+    for report in checked("own_rank_items_even"):
+        assert report.ok, report
+        (spot,) = report.blind_spots
+        assert spot.startswith("every rank's window holds as many items, so a loop that")
+    for report in checked("ddp_items_uneven"):
+        assert report.ok, report
+        assert report.blind_spots == []
+
+
 def test_a_trainer_s_own_all_reduces_pass_without_an_expected_count() -> None:
     """A correct DDP loop that all-reduces three metrics a window, checked without
     ``expect_collectives``: 4 all-reduces a window, of which one backward's; it passes."""
