@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -139,8 +140,9 @@ class DDPSync(SyncStrategy):
         self._defer = defer
         self.group: dist.ProcessGroup | None = ddp.process_group
         self.forward_communicates = _broadcasts_buffers(ddp)
-        self._found: bool = ddp.require_backward_grad_sync
-        self._armed = self._found
+        self._found: bool = _flags.take(ddp)
+        self._armed = ddp.require_backward_grad_sync
+        self._holds = True
 
     def overridden(self) -> bool | None:
         """Whether this backward all-reduces, if that is not what was armed: DDP decided
@@ -155,8 +157,38 @@ class DDPSync(SyncStrategy):
         self._ddp.require_backward_grad_sync = self._armed
 
     def restore(self) -> None:
-        """Put back the flag as it was found."""
+        """Put back the flag as it was found (before any strategy still holding it set it)."""
         self._ddp.require_backward_grad_sync = self._found
+        if self._holds:
+            self._holds = False
+            _flags.give(self._ddp)
+
+
+class _Flags:
+    """The ``require_backward_grad_sync`` each DDP module had before the strategies that
+    hold it now (not restored yet) set it, and how many they are: a strategy made while
+    another one holds the DDP (an accumulator left open, never closed, beside a new one
+    with a new optimizer) finds the flag as that one set it, but restores the user's."""
+
+    def __init__(self) -> None:
+        self._held: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+
+    def take(self, ddp: Any) -> bool:
+        """The flag ``ddp`` had before it was held; one more strategy holds it."""
+        entry = self._held.setdefault(ddp, [ddp.require_backward_grad_sync, 0])
+        entry[1] += 1
+        return bool(entry[0])
+
+    def give(self, ddp: Any) -> None:
+        """One strategy fewer holds ``ddp``; with none left, the flag it had is forgotten."""
+        entry = self._held.get(ddp)
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._held[ddp]
+
+
+_flags = _Flags()
 
 
 def _broadcasts_buffers(ddp: Any) -> bool:
@@ -422,7 +454,7 @@ class SeveralDDPSync(DDPSync):
         super().__init__(ddps[0], defer=defer)
         self._ddps = tuple(ddps)
         self.forward_communicates = any(_broadcasts_buffers(ddp) for ddp in ddps)
-        self._founds = [ddp.require_backward_grad_sync for ddp in ddps]
+        self._founds = [self._found, *(_flags.take(ddp) for ddp in ddps[1:])]
 
     def overridden(self) -> bool | None:
         """Whether this backward reduces, if that is not what was armed, on any of them."""
@@ -439,9 +471,13 @@ class SeveralDDPSync(DDPSync):
             ddp.require_backward_grad_sync = self._armed
 
     def restore(self) -> None:
-        """Put back each one's flag as it was found."""
-        for ddp, found in zip(self._ddps, self._founds, strict=True):
+        """Put back each one's flag as it was found (see `DDPSync.restore`)."""
+        holds = self._holds
+        super().restore()
+        for ddp, found in zip(self._ddps[1:], self._founds[1:], strict=True):
             ddp.require_backward_grad_sync = found
+            if holds:
+                _flags.give(ddp)
 
 
 class FSDP1Sync(NoSyncContext):

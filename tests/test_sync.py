@@ -197,6 +197,43 @@ def test_no_sync_around_a_backward_whose_forward_ran_before_it_is_warned_about()
 
 
 @pytest.mark.usefixtures("process_group")
+@pytest.mark.parametrize("wrap", ["ddp", "pair"])
+def test_an_accumulator_left_open_does_not_change_what_a_new_one_restores(wrap: str) -> None:
+    """A DDP model (or two side by side) trained by one accumulator that is never closed, then
+    by a new one on a new optimizer: the second found DDP's flag as the first left it
+    (off, for the first's next window), and used to leave it off when it closed, so that a
+    loop of one's own on the model would never all-reduce again. It restores the flag the
+    user had; so does the first, closed last; a model never held is as it was."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model: nn.Module = (
+        DistributedDataParallel(make_model())
+        if wrap == "ddp"
+        else Pair(make_model(), DistributedDataParallel)
+    )
+    ddps = [m for m in model.modules() if isinstance(m, DistributedDataParallel)]
+    batches = make_batches([2] * 4)
+    first = gradaccum.Accumulator(model, sgd(model), steps=2)
+    for batch in first.epoch(batches):
+        with first.microstep(mean_loss(model, batch)):
+            pass
+    assert [ddp.require_backward_grad_sync for ddp in ddps] == [False] * len(ddps)
+    second = gradaccum.Accumulator(model, torch.optim.AdamW(model.parameters()), steps=2)
+    for batch in second.epoch(batches):
+        with second.microstep(mean_loss(model, batch)):
+            pass
+    second.close()
+    assert [ddp.require_backward_grad_sync for ddp in ddps] == [True] * len(ddps)
+    first.close()
+    assert [ddp.require_backward_grad_sync for ddp in ddps] == [True] * len(ddps)
+    for ddp in ddps:  # a flag of the user's own, set with no accumulator open, is theirs
+        ddp.require_backward_grad_sync = False
+    with gradaccum.Accumulator(model, sgd(model), steps=2):
+        pass
+    assert [ddp.require_backward_grad_sync for ddp in ddps] == [False] * len(ddps)
+
+
+@pytest.mark.usefixtures("process_group")
 def test_no_sync_refuses_static_graph_with_a_fix_it_can_take() -> None:
     """no_sync() has no sync argument, so its refusal of static_graph=True says what to do
     instead; the DDP flag is left as it was."""
