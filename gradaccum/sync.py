@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -140,7 +141,7 @@ class DDPSync(SyncStrategy):
         self._defer = defer
         self.group: dist.ProcessGroup | None = ddp.process_group
         self.forward_communicates = _broadcasts_buffers(ddp)
-        self._found: bool = _flags.take(ddp)
+        self._found = _ddp_found(ddp)
         self._armed = ddp.require_backward_grad_sync
         self._holds = True
 
@@ -161,34 +162,43 @@ class DDPSync(SyncStrategy):
         self._ddp.require_backward_grad_sync = self._found
         if self._holds:
             self._holds = False
-            _flags.give(self._ddp)
+            _before.give(self._ddp)
 
 
-class _Flags:
-    """The ``require_backward_grad_sync`` each DDP module had before the strategies that
-    hold it now (not restored yet) set it, and how many they are: a strategy made while
-    another one holds the DDP (an accumulator left open, never closed, beside a new one
-    with a new optimizer) finds the flag as that one set it, but restores the user's."""
+class _Found:
+    """The sync state each wrapper (a DDP module, a ``fully_shard`` module) had before the
+    strategies that hold it now (not restored yet) set it, and how many they are: a
+    strategy made while another one holds the wrapper (an accumulator left open, never
+    closed, beside a new one with a new optimizer) finds the state as that one set it, but
+    restores the user's."""
 
     def __init__(self) -> None:
-        self._held: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+        self._states: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
 
-    def take(self, ddp: Any) -> bool:
-        """The flag ``ddp`` had before it was held; one more strategy holds it."""
-        entry = self._held.setdefault(ddp, [ddp.require_backward_grad_sync, 0])
+    def take(self, module: Any, now: Callable[[], Any]) -> Any:
+        """The state ``module`` had before it was held (``now()`` where it is not held); one
+        more strategy holds it."""
+        entry = self._states.get(module)
+        if entry is None:
+            entry = self._states[module] = [now(), 0]
         entry[1] += 1
-        return bool(entry[0])
+        return entry[0]
 
-    def give(self, ddp: Any) -> None:
-        """One strategy fewer holds ``ddp``; with none left, the flag it had is forgotten."""
-        entry = self._held.get(ddp)
+    def give(self, module: Any) -> None:
+        """One strategy fewer holds ``module``; with none left, its state is forgotten."""
+        entry = self._states.get(module)
         if entry is not None:
             entry[1] -= 1
             if entry[1] == 0:
-                del self._held[ddp]
+                del self._states[module]
 
 
-_flags = _Flags()
+_before = _Found()
+
+
+def _ddp_found(ddp: Any) -> bool:
+    found: bool = _before.take(ddp, lambda: ddp.require_backward_grad_sync)
+    return found
 
 
 def _broadcasts_buffers(ddp: Any) -> bool:
@@ -254,7 +264,10 @@ class FullyShardSync(SyncStrategy):
         name = "HSDP" if self._hsdp else "fully_shard" if shards else "replicate"
         beyond = _mesh_of(modules).size() > info.mesh.size()
         self.kind = f"{name} + TP" if beyond else name
-        self._found = [_fsdp_flags(module) for module in modules]
+        self._found = [
+            _before.take(module, functools.partial(_fsdp_flags, module)) for module in modules
+        ]
+        self._holds = True
         # One parameter group stands for all: a set_requires_gradient_sync() of the user's
         # own (recursive by default) changes them all.
         self._watched = next((group for m in modules for group in _param_groups(m)), None)
@@ -282,13 +295,17 @@ class FullyShardSync(SyncStrategy):
         return bool(watched.reduce_grads)
 
     def restore(self) -> None:
-        """Put back each parameter group's flags as they were found."""
+        """Put back each parameter group's flags as they were found (before any strategy
+        still holding them set them: see `_Found`)."""
+        holds, self._holds = self._holds, False
         for module, found in zip(self._modules, self._found, strict=True):
             for param_group, (reduce_scatter, all_reduce) in zip(
                 _param_groups(module), found, strict=True
             ):
                 param_group.reduce_grads = reduce_scatter
                 param_group.all_reduce_grads = all_reduce
+            if holds:
+                _before.give(module)
 
 
 def _param_groups(module: Any) -> list[Any]:
@@ -454,7 +471,7 @@ class SeveralDDPSync(DDPSync):
         super().__init__(ddps[0], defer=defer)
         self._ddps = tuple(ddps)
         self.forward_communicates = any(_broadcasts_buffers(ddp) for ddp in ddps)
-        self._founds = [self._found, *(_flags.take(ddp) for ddp in ddps[1:])]
+        self._founds = [self._found, *(_ddp_found(ddp) for ddp in ddps[1:])]
 
     def overridden(self) -> bool | None:
         """Whether this backward reduces, if that is not what was armed, on any of them."""
@@ -477,7 +494,7 @@ class SeveralDDPSync(DDPSync):
         for ddp, found in zip(self._ddps[1:], self._founds[1:], strict=True):
             ddp.require_backward_grad_sync = found
             if holds:
-                _flags.give(ddp)
+                _before.give(ddp)
 
 
 class FSDP1Sync(NoSyncContext):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import pytest
 import torch
@@ -196,41 +197,69 @@ def test_no_sync_around_a_backward_whose_forward_ran_before_it_is_warned_about()
     assert ddp.require_backward_grad_sync
 
 
-@pytest.mark.usefixtures("process_group")
-@pytest.mark.parametrize("wrap", ["ddp", "pair"])
-def test_an_accumulator_left_open_does_not_change_what_a_new_one_restores(wrap: str) -> None:
-    """A DDP model (or two side by side) trained by one accumulator that is never closed, then
-    by a new one on a new optimizer: the second found DDP's flag as the first left it
-    (off, for the first's next window), and used to leave it off when it closed, so that a
-    loop of one's own on the model would never all-reduce again. It restores the flag the
-    user had; so does the first, closed last; a model never held is as it was."""
+def _sync_flags(model: nn.Module) -> list[Any]:
+    """What every DDP and ``fully_shard`` module of ``model`` will do in its next backward:
+    DDP's flag, each FSDP parameter group's reduce-scatter and all-reduce flags."""
     from torch.nn.parallel import DistributedDataParallel
 
-    model: nn.Module = (
-        DistributedDataParallel(make_model())
-        if wrap == "ddp"
-        else Pair(make_model(), DistributedDataParallel)
-    )
-    ddps = [m for m in model.modules() if isinstance(m, DistributedDataParallel)]
+    from gradaccum.sync import _fsdp_flags
+
+    return [
+        module.require_backward_grad_sync
+        if isinstance(module, DistributedDataParallel)
+        else _fsdp_flags(module)
+        for module in model.modules()
+        if isinstance(module, DistributedDataParallel) or hasattr(module, "_get_fsdp_state")
+    ]
+
+
+@pytest.mark.usefixtures("process_group")
+@pytest.mark.parametrize("wrap", ["ddp", "pair", "fully_shard"])
+def test_an_accumulator_left_open_does_not_change_what_a_new_one_restores(wrap: str) -> None:
+    """A model trained by one accumulator that is never closed, then by a new one on a new
+    optimizer (DDP, two DDPs side by side, ``fully_shard`` deferring to the boundary): the
+    second found the sync flags as the first left them (off, for the first's next
+    window), and used to leave them off when it closed, so that a loop of one's own on
+    the model would never reduce again. It restores what the user had; so does the
+    first, closed last; flags the user set with no accumulator open are theirs."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    if wrap == "ddp":
+        model: nn.Module = DistributedDataParallel(make_model())
+    elif wrap == "pair":
+        model = Pair(make_model(), DistributedDataParallel)
+    else:
+        model = make_model()
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    users = _sync_flags(model)
     batches = make_batches([2] * 4)
-    first = gradaccum.Accumulator(model, sgd(model), steps=2)
+    first = gradaccum.Accumulator(model, sgd(model), steps=2, sync="boundary")
     for batch in first.epoch(batches):
         with first.microstep(mean_loss(model, batch)):
             pass
-    assert [ddp.require_backward_grad_sync for ddp in ddps] == [False] * len(ddps)
-    second = gradaccum.Accumulator(model, torch.optim.AdamW(model.parameters()), steps=2)
+    assert _sync_flags(model) != users  # off, for the first's next window
+    second = gradaccum.Accumulator(
+        model, torch.optim.AdamW(model.parameters()), steps=2, sync="boundary"
+    )
     for batch in second.epoch(batches):
         with second.microstep(mean_loss(model, batch)):
             pass
     second.close()
-    assert [ddp.require_backward_grad_sync for ddp in ddps] == [True] * len(ddps)
+    assert _sync_flags(model) == users
     first.close()
-    assert [ddp.require_backward_grad_sync for ddp in ddps] == [True] * len(ddps)
-    for ddp in ddps:  # a flag of the user's own, set with no accumulator open, is theirs
-        ddp.require_backward_grad_sync = False
-    with gradaccum.Accumulator(model, sgd(model), steps=2):
+    assert _sync_flags(model) == users
+    for module in model.modules():  # the user's own state, set with no accumulator open
+        if isinstance(module, DistributedDataParallel):
+            module.require_backward_grad_sync = False
+        elif hasattr(module, "set_requires_gradient_sync"):
+            module.set_requires_gradient_sync(False, recurse=False)
+    left = _sync_flags(model)
+    assert left != users
+    with gradaccum.Accumulator(model, sgd(model), steps=2, sync="boundary"):
         pass
-    assert [ddp.require_backward_grad_sync for ddp in ddps] == [False] * len(ddps)
+    assert _sync_flags(model) == left
 
 
 @pytest.mark.usefixtures("process_group")
