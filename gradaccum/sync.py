@@ -197,6 +197,7 @@ _before = _Found()
 
 
 def _ddp_found(ddp: Any) -> bool:
+    """The flag ``ddp`` had before the strategies holding it set it; one more holds it."""
     found: bool = _before.take(ddp, lambda: ddp.require_backward_grad_sync)
     return found
 
