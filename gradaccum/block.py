@@ -110,7 +110,11 @@ class Microstep:
         strategy = acc._strategy
         sees = type(strategy).forward_done is not SyncStrategy.forward_done
         guards = acc._ranks.count > 1 and strategy.forward_communicates
-        unwrapped = type(strategy) is LocalSync and several_processes()
+        unwrapped = (
+            type(strategy) is LocalSync
+            and several_processes()
+            and not isinstance(acc.model, torch.jit.ScriptModule)  # (which takes no hook)
+        )
         if not (sees or guards or unwrapped):
             return None
         return hooks.watch(

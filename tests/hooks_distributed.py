@@ -298,17 +298,17 @@ class Holder(nn.Module):
 
 def wrapped_after(rank: int, world: int) -> dict[str, Any]:
     """An Accumulator built on a plain model that DDP wraps only afterwards (directly, or
-    inside a larger model), and one on a plain model that no DDP wraps, each evaluated
-    first under no_grad: the error the first training forward raised, the hooks left on
-    the model, and whether it trained."""
+    inside a larger model), and one on a plain model that no DDP wraps (also scripted,
+    which takes no hook), each evaluated first under no_grad: the error the first
+    training forward raised, the hooks left on the model, and whether it trained."""
     from torch.nn.parallel import DistributedDataParallel
 
     found: dict[str, Any] = {}
-    for name in ("wrapped after", "inside a wrapped model", "never wrapped"):
-        model = make_model()
+    for name in ("wrapped after", "inside a wrapped model", "never wrapped", "scripted"):
+        model = torch.jit.script(make_model()) if name == "scripted" else make_model()
         before = full_params(model, "plain")
         acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=2)
-        hooked = len(model._forward_hooks)
+        hooked = 0 if name == "scripted" else len(model._forward_hooks)
         runs = model
         if name == "wrapped after":
             runs = DistributedDataParallel(model)
@@ -326,7 +326,7 @@ def wrapped_after(rank: int, world: int) -> dict[str, Any]:
         found[name] = {
             "error": error,
             "hooked": hooked,
-            "hooks after": len(model._forward_hooks),
+            "hooks after": 0 if name == "scripted" else len(model._forward_hooks),
             "global_step": acc.global_step,
             "trained": not all(
                 torch.equal(p, q) for p, q in zip(before, full_params(model, "plain"), strict=True)

@@ -318,3 +318,5 @@ def test_a_model_wrapped_in_ddp_after_the_accumulator_is_refused_at_its_first_fo
         assert (alone["error"], alone["hooked"], alone["hooks after"]) == (None, 1, 0)
         assert alone["global_step"] == 2
         assert alone["trained"]
+        scripted = rank["scripted"]  # a ScriptModule takes no hook: it is not looked at
+        assert (scripted["error"], scripted["global_step"], scripted["trained"]) == (None, 2, True)
