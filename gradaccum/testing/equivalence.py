@@ -488,14 +488,14 @@ class _Setup:
             return None
         return [[int(count(batch)) for batch in mine] for mine in self.batches]
 
+    def windows(self) -> list[range]:
+        """Each window of every epoch, in order: its microbatches' indices in the epoch."""
+        epoch = expected_windows(len(self.batches[0]), self.steps, self.drop_last)
+        return epoch * self.epochs
+
     def window_lengths(self) -> list[int]:
         """The microbatches of each window of every epoch, in order."""
-        n = len(self.batches[0])
-        return [
-            len(w)
-            for _ in range(self.epochs)
-            for w in expected_windows(n, self.steps, self.drop_last)
-        ]
+        return [len(window) for window in self.windows()]
 
 
 def _schedulers(made: object, optimizers: int) -> dict[str, Any]:
@@ -728,23 +728,20 @@ class _Reference:
         data = [[_to64(batch) for batch in mine] for mine in setup.batches]
         _, optimizers = setup.optimizers(self.model.parameters())
         params = list(self.model.parameters())
-        step = 0
-        for _ in range(setup.epochs):
-            for window in expected_windows(len(data[0]), setup.steps, setup.drop_last):
-                self.model.zero_grad(set_to_none=True)
-                micro = [mine[i] for mine in data for i in window]
-                big = _window_loss(self.model, setup.loss, micro, setup.num_items)
-                big.backward()  # type: ignore[no-untyped-call]  # torch leaves it untyped
-                raw = [_grad_of(param) for param in params]
-                if setup.max_grad_norm is not None:
-                    nn.utils.clip_grad_norm_(params, setup.max_grad_norm)
-                grad = [_grad_of(param) for param in params]
-                for optimizer, seen in zip(optimizers, hyperparameters, strict=True):
-                    if step < len(seen):
-                        apply_hyperparameters(optimizer, seen[step], step)
-                    optimizer.step()
-                step += 1
-                yield _Window([param.detach().clone() for param in params], grad, raw)
+        for step, window in enumerate(setup.windows()):
+            self.model.zero_grad(set_to_none=True)
+            micro = [mine[i] for mine in data for i in window]
+            big = _window_loss(self.model, setup.loss, micro, setup.num_items)
+            big.backward()  # type: ignore[no-untyped-call]  # torch leaves it untyped
+            raw = [_grad_of(param) for param in params]
+            if setup.max_grad_norm is not None:
+                nn.utils.clip_grad_norm_(params, setup.max_grad_norm)
+            grad = [_grad_of(param) for param in params]
+            for optimizer, seen in zip(optimizers, hyperparameters, strict=True):
+                if step < len(seen):
+                    apply_hyperparameters(optimizer, seen[step], step)
+                optimizer.step()
+            yield _Window([param.detach().clone() for param in params], grad, raw)
 
 
 def _grad_of(param: torch.Tensor) -> torch.Tensor:
@@ -833,11 +830,7 @@ def _merge(setup: _Setup, runs: list[_Run]) -> AccumulationReport:
         gradients=first.gradients,
         learning_rates=first.learning_rates,
         blind_spots=blind_spots(
-            [
-                w
-                for _ in range(setup.epochs)
-                for w in expected_windows(n, setup.steps, setup.drop_last)
-            ],
+            setup.windows(),
             n_batches=n,
             steps=setup.steps,
             items=setup.item_counts(),
