@@ -141,7 +141,8 @@ class DDPSync(SyncStrategy):
         self._defer = defer
         self.group: dist.ProcessGroup | None = ddp.process_group
         self.forward_communicates = _broadcasts_buffers(ddp)
-        self._found = _ddp_found(ddp)
+        self._ddps: tuple[Any, ...] = (ddp,)  # (what `restore` puts back: every one held)
+        self._founds = [_ddp_found(ddp)]
         self._armed = ddp.require_backward_grad_sync
         self._holds = True
 
@@ -158,11 +159,12 @@ class DDPSync(SyncStrategy):
         self._ddp.require_backward_grad_sync = self._armed
 
     def restore(self) -> None:
-        """Put back the flag as it was found (before any strategy still holding it set it)."""
-        self._ddp.require_backward_grad_sync = self._found
-        if self._holds:
-            self._holds = False
-            _before.give(self._ddp)
+        """Put back each flag as it was found (before any strategy still holding it set it)."""
+        holds, self._holds = self._holds, False
+        for ddp, found in zip(self._ddps, self._founds, strict=True):
+            ddp.require_backward_grad_sync = found
+            if holds:
+                _before.give(ddp)
 
 
 class _Found:
@@ -472,7 +474,7 @@ class SeveralDDPSync(DDPSync):
         super().__init__(ddps[0], defer=defer)
         self._ddps = tuple(ddps)
         self.forward_communicates = any(_broadcasts_buffers(ddp) for ddp in ddps)
-        self._founds = [self._found, *(_ddp_found(ddp) for ddp in ddps[1:])]
+        self._founds += [_ddp_found(ddp) for ddp in ddps[1:]]
 
     def overridden(self) -> bool | None:
         """Whether this backward reduces, if that is not what was armed, on any of them."""
@@ -487,15 +489,6 @@ class SeveralDDPSync(DDPSync):
         self._armed = sync or not self._defer
         for ddp in self._ddps:
             ddp.require_backward_grad_sync = self._armed
-
-    def restore(self) -> None:
-        """Put back each one's flag as it was found (see `DDPSync.restore`)."""
-        holds = self._holds
-        super().restore()
-        for ddp, found in zip(self._ddps[1:], self._founds[1:], strict=True):
-            ddp.require_backward_grad_sync = found
-            if holds:
-                _before.give(ddp)
 
 
 class FSDP1Sync(NoSyncContext):
