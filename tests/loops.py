@@ -287,18 +287,34 @@ def metrics_loop(
 
 
 def own_items_loop(
-    model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, batches: Sequence[Batch]
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    batches: Sequence[Batch],
+    *,
+    every_rank: bool = False,
+    times_world: bool = True,
+    by_steps: bool = False,
 ) -> None:
-    """Item mode done per rank (a bug): each rank divides its summed losses by its own
-    window's items, and DDP averages those means, forward inside ``no_sync()`` off the
-    boundary."""
+    """Item mode by hand, forward inside ``no_sync()`` off the boundary: each rank divides
+    its summed losses by its own window's items, and DDP averages those means (a bug);
+    with ``every_rank``, by every rank's items, all-reduced before the window, times the
+    world size, as Hugging Face's Trainer does with ``num_items_in_batch`` (right; a bug
+    without ``times_world``, or ``by_steps``: divided by steps as well)."""
     no_sync = getattr(model, "no_sync", contextlib.nullcontext)
+    world = dist.get_world_size() if dist.is_initialized() else 1
     for start in range(0, len(batches) // STEPS * STEPS, STEPS):
         window = batches[start : start + STEPS]
-        own = sum(items(batch) for batch in window)
+        divisor = torch.tensor(float(sum(items(batch) for batch in window)), dtype=torch.float64)
+        if every_rank:
+            if world > 1:
+                dist.all_reduce(divisor)
+            divisor /= world if times_world else 1
+        if by_steps:
+            divisor *= STEPS
         for index, batch in enumerate(window):
             with contextlib.nullcontext() if index == STEPS - 1 else no_sync():
-                (sum_loss(model, batch) / own).backward()
+                (sum_loss(model, batch) / divisor).backward()
         optimizer.step()
         optimizer.zero_grad()
         scheduler.step()
@@ -338,6 +354,7 @@ def checks(rank: int, world: int) -> dict[str, Any]:
 
     ddp = {"wrap": DistributedDataParallel}
     items_loop = functools.partial(accumulator_loop, by_items=True)
+    every_rank = functools.partial(own_items_loop, every_rank=True)
     found: dict[str, Any] = {
         "ddp": check(accumulator_loop, expect_collectives={"all_reduce": 1}, **ddp),
         "ddp_items": check(items_loop, by_items=True, **ddp),
@@ -366,6 +383,13 @@ def checks(rank: int, world: int) -> dict[str, Any]:
         "own_rank_items": check(own_items_loop, by_items=True, uneven=True, **ddp),
         "own_rank_items_even": check(own_items_loop, by_items=True, **ddp),
         "ddp_items_uneven": check(items_loop, by_items=True, uneven=True, **ddp),
+        "every_rank_items": check(every_rank, by_items=True, uneven=True, **ddp),
+        "every_rank_items_not_times_world": check(
+            functools.partial(every_rank, times_world=False), by_items=True, uneven=True, **ddp
+        ),
+        "every_rank_items_by_steps": check(
+            functools.partial(every_rank, by_steps=True), by_items=True, uneven=True, **ddp
+        ),
         "fsdp1_unscaled": check(
             functools.partial(hand_loop, divisor=1),
             wrap=functools.partial(FullyShardedDataParallel, device_id=torch.device("cpu")),

@@ -130,6 +130,32 @@ def test_each_rank_dividing_by_its_own_items_fails_where_the_ranks_differ() -> N
         assert report.blind_spots == []
 
 
+def test_hugging_face_s_num_items_in_batch_is_judged_right() -> None:
+    """Item mode as Hugging Face's Trainer writes it: every rank's window items all-reduced
+    before the window, each summed loss divided by them and multiplied by the world size
+    (DDP averages). Right, on ranks of different items: it passes, its own all-reduce
+    told from DDP's. Without the world size the gradient is half the reference's, and
+    divided by steps as well a quarter: each named."""
+    for report in checked("every_rank_items"):
+        assert report.ok, report
+        assert report.blind_spots == []
+        assert report.per_window.outside_backward == {"all_reduce": 1}
+        assert report.per_window.backwards == {"all_reduce": 1}
+    for report in checked("every_rank_items_not_times_world"):
+        assert report.problems[0] == (
+            "the gradient of window 1 is 0.50x the reference's: is the loss divided by every "
+            "rank's items but not multiplied by the 2 ranks? DDP averages the ranks' "
+            "gradients, so a loss normalized by the items of every rank's window must be "
+            "multiplied by the world size, 2"
+        )
+    for report in checked("every_rank_items_by_steps"):
+        assert report.problems[0] == (
+            "the gradient of window 1 is 0.25x the reference's: is the loss divided by steps "
+            "as well as by the window's items? A loss normalized by the window's item count "
+            "is not divided by steps again"
+        )
+
+
 def test_a_trainer_s_own_all_reduces_pass_without_an_expected_count() -> None:
     """A correct DDP loop that all-reduces three metrics a window, checked without
     ``expect_collectives``: 4 all-reduces a window, of which one backward's; it passes."""

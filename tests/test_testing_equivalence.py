@@ -273,6 +273,15 @@ PARAMETERS = "parameters off the float64 big-batch reference by"
             {"by_items": True},
             ["the gradient of window 1 is off the float64 big-batch reference by "],
         ),
+        (
+            functools.partial(loops.own_items_loop, by_steps=True),
+            {"by_items": True},
+            [
+                "the gradient of window 1 is 0.25x the reference's: is the loss divided by "
+                "steps as well as by the window's items? A loss normalized by the window's "
+                "item count is not divided by steps again"
+            ],
+        ),
     ],
     ids=[
         "unscaled",
@@ -285,6 +294,7 @@ PARAMETERS = "parameters off the float64 big-batch reference by"
         "partial_window_never_stepped",
         "scheduler_every_microbatch",
         "mean_of_means",
+        "items_divided_by_steps",
     ],
 )
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")

@@ -110,7 +110,11 @@ def gradient_problem(
                 "shards)?"
             )
         else:
-            hint = None if items else _factor_hint(scale, length, steps, world)
+            hint = (
+                _items_hint(scale, length, world)
+                if items
+                else _factor_hint(scale, length, steps, world)
+            )
         return f"the {noun} of window {window} is {scale:.2f}x the reference's" + (
             f": {hint}" if hint else ""
         )
@@ -123,6 +127,24 @@ def gradient_problem(
         f"the {noun} of window {window} is off the float64 big-batch reference by "
         f"{gap(got, want):.1e} (tolerance {tolerance:.0e})"
     )
+
+
+def _items_hint(scale: float, length: int, world: int) -> str | None:
+    """The mistake a gradient ``scale`` times the reference's points to, in item mode (a
+    loss normalized by the window's items, as Hugging Face's ``num_items_in_batch``)."""
+    hints = []
+    if length > 1 and math.isclose(scale, 1 / length, rel_tol=1e-3):
+        hints.append(
+            "is the loss divided by steps as well as by the window's items? A loss "
+            "normalized by the window's item count is not divided by steps again"
+        )
+    if world > 1 and math.isclose(scale, 1 / world, rel_tol=1e-3):
+        hints.append(
+            f"is the loss divided by every rank's items but not multiplied by the {world} "
+            "ranks? DDP averages the ranks' gradients, so a loss normalized by the items of "
+            f"every rank's window must be multiplied by the world size, {world}"
+        )
+    return "; or ".join(hints) or None
 
 
 def _factor_hint(scale: float, length: int, steps: int, world: int) -> str | None:
