@@ -525,3 +525,12 @@ def barrier_while_rank_1_hangs(rank: int, world: int, pids: str) -> None:
     if rank == 1:
         time.sleep(3600)
     dist.barrier()
+
+
+def exit_on_rank_1(rank: int, world: int) -> int:
+    """Rank 1 ends its process from inside fn, raising nothing; rank 0 returns its rank."""
+    import os
+
+    if rank == 1:
+        os._exit(3)
+    return rank

@@ -3,8 +3,11 @@ one fails, a hang killed with nothing left running, and launches it refuses up f
 
 from __future__ import annotations
 
+import functools
 import math
+import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -75,6 +78,73 @@ def test_a_hang_is_killed_and_reported_with_the_waiting_rank_s_timeout(tmp_path:
     )
     for name in ("0", "1", "child of 0", "child of 1"):
         assert ended(int((tmp_path / name).read_text())), name
+
+
+def test_a_rank_that_ends_without_raising_is_told_from_one_that_could_not_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A rank whose fn ends its process (``os._exit``) is said to have ended in fn, with
+    its exit code, not to have hung; one whose process cannot start (here: fn's module
+    is not importable there, as a script's top level that launches again is not) says
+    so and names the usual cause, the missing ``if __name__ == "__main__":``."""
+    started = time.monotonic()
+    with pytest.raises(LaunchError) as caught:
+        run_ranks(loops.exit_on_rank_1, 2, timeout=30)
+    assert time.monotonic() - started < 30  # reported at once, not after the timeout
+    assert caught.value.results == {0: 0}
+    assert caught.value.failures == {
+        1: "rank 1 ended (exit code 3) in fn or while joining the process group, without "
+        "raising (os._exit, or a signal); what it printed is above"
+    }
+    absent = types.ModuleType("gradaccum_tests_absent")  # importable here only
+    exec("def job(rank, world):\n    return rank", absent.__dict__)
+    monkeypatch.setitem(sys.modules, absent.__name__, absent)
+    with pytest.raises(LaunchError) as caught:
+        run_ranks(absent.job, 1, timeout=30)
+    assert caught.value.failures == {
+        0: "rank 0 could not start (exit code 1); what it printed is above. Most often its "
+        "start ran the launching script's top level again, which launched again: call "
+        'run_ranks (or check_accumulation) under `if __name__ == "__main__":`; or fn or its '
+        "arguments could not be imported there"
+    }
+
+
+@pytest.mark.parametrize(
+    ("main_file", "error", "message"),
+    [
+        (
+            None,
+            gradaccum.ConfigTypeError,
+            "args holds job, defined in an interactive session's __main__ (a notebook, "
+            "python -c), which the ranks cannot import (each is a new process, which "
+            "imports what it is sent by module and name); define it in a module file and "
+            "import it from there",
+        ),
+        (
+            "<stdin>",
+            gradaccum.ConfigError,
+            "the ranks cannot be started from a program read from <stdin>: each rank's "
+            "process runs the launching program's file again first (multiprocessing's "
+            "forkserver), and there is none; save the program to a file and run that",
+        ),
+    ],
+)
+def test_a_launch_from_a_session_the_ranks_cannot_import_is_refused(
+    monkeypatch: pytest.MonkeyPatch, main_file: str | None, error: type[Exception], message: str
+) -> None:
+    """A notebook's or ``python -c``'s function (a ``functools.partial`` of one here),
+    and any launch from a program read from stdin, which a rank's process could not run
+    again: refused before any rank starts."""
+    main = types.ModuleType("__main__")
+    if main_file is not None:
+        main.__file__ = main_file
+    exec("def job(rank, world):\n    return rank", main.__dict__)
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    started = time.monotonic()
+    with pytest.raises(error) as caught:
+        run_ranks(functools.partial(pow), 1, (main.job,))
+    assert str(caught.value) == message
+    assert time.monotonic() - started < 1  # no rank was started
 
 
 def test_what_a_rank_that_returned_left_running_is_ended(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ import multiprocessing
 import os
 import pickle
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -29,7 +30,7 @@ __all__ = ["LaunchError", "run_ranks"]
 
 
 class LaunchError(GradaccumError, RuntimeError):
-    """A rank raised, or gave no answer in time (it was killed).
+    """A rank raised, gave no answer in time (it was killed), or ended without one.
 
     Its message holds every failed rank's traceback, rank by rank.
 
@@ -104,11 +105,15 @@ def run_ranks(
         Every rank's return value, rank 0 first.
 
     Raises:
-        LaunchError: A rank raised or was killed; it holds every failed rank's traceback
-            and the others' results.
-        ConfigError: ``world_size`` is below 1, ``timeout`` is not positive, or NCCL was
-            asked for without a GPU per rank.
-        ConfigTypeError: ``fn``, ``args`` or ``kwargs`` cannot be sent to the ranks.
+        LaunchError: A rank raised, was killed, or ended without an answer (or could not
+            start); it holds every failed rank's traceback (or what ended it) and the
+            others' results.
+        ConfigError: ``world_size`` is below 1, ``timeout`` is not positive, NCCL was
+            asked for without a GPU per rank, or the program was read from stdin (a
+            rank's process could not run it again).
+        ConfigTypeError: ``fn``, ``args`` or ``kwargs`` cannot be sent to the ranks:
+            not picklable, or defined in a notebook or ``python -c``, whose ``__main__``
+            the ranks cannot import.
 
     Examples:
         >>> run_ranks(pow, 2)  # pow(rank, world_size) on each rank
@@ -158,9 +163,11 @@ def _check_launch(
     if kwargs is not None and not isinstance(kwargs, Mapping):
         msg = f"kwargs must be a mapping of fn's keyword arguments or None, got {describe(kwargs)}"
         raise ConfigTypeError(msg)
+    session = _interactive_main()
     for name, value in (("fn", fn), ("args", args), ("kwargs", kwargs)):
+        pickler = _MainFinder()
         try:
-            pickle.dumps(value)
+            pickler.dump(value)
         except Exception as error:
             msg = (
                 f"{name} cannot be sent to the ranks ({type(error).__name__}: {error}); "
@@ -168,6 +175,51 @@ def _check_launch(
                 "picklable arguments"
             )
             raise ConfigTypeError(msg) from None
+        if session is not None and pickler.found:
+            msg = (
+                f"{name} holds {pickler.found[0]}, defined in {session}, which the ranks "
+                "cannot import (each is a new process, which imports what it is sent by "
+                "module and name); define it in a module file and import it from there"
+            )
+            raise ConfigTypeError(msg)
+
+
+class _MainFinder(pickle.Pickler):
+    """A pickler that records what of ``__main__`` the object it dumps refers to (by
+    reference: functions, classes, their instances)."""
+
+    def __init__(self) -> None:
+        super().__init__(io.BytesIO())
+        self.found: list[str] = []
+
+    def reducer_override(self, obj: Any) -> Any:
+        if getattr(obj, "__module__", None) == "__main__":
+            self.found.append(getattr(obj, "__qualname__", None) or describe(obj))
+        return NotImplemented
+
+
+def _interactive_main() -> str | None:
+    """What ``__main__`` is when the ranks cannot import it (no file to run again: a
+    notebook, ``python -c``), in words; None when they can (a script, ``python -m``).
+
+    Raises:
+        ConfigError: ``__main__`` names a file that does not exist (a program read from
+            stdin): each rank's process runs that file again before anything else.
+    """
+    main = sys.modules.get("__main__")
+    if getattr(getattr(main, "__spec__", None), "name", None):
+        return None
+    path = getattr(main, "__file__", None)
+    if path is None:
+        return "an interactive session's __main__ (a notebook, python -c)"
+    if not os.path.isfile(path):
+        msg = (
+            f"the ranks cannot be started from a program read from {path}: each rank's "
+            "process runs the launching program's file again first (multiprocessing's "
+            "forkserver), and there is none; save the program to a file and run that"
+        )
+        raise ConfigError(msg)
+    return None
 
 
 def _launch(
@@ -183,6 +235,7 @@ def _launch(
     queue = context.SimpleQueue()
     deadline = time.monotonic() + 2 * timeout
     answers: dict[int, _Answer] = {}
+    started: set[int] = set()  # the ranks whose process came as far as _rank_main
     with tempfile.TemporaryDirectory(prefix="gradaccum-") as directory:
         processes = [
             context.Process(
@@ -197,7 +250,10 @@ def _launch(
             while len(answers) < world and time.monotonic() < deadline:
                 if not queue.empty():
                     answer = queue.get()
-                    answers[answer.rank] = answer
+                    if answer.value is None and answer.error is None:
+                        started.add(answer.rank)
+                    else:
+                        answers[answer.rank] = answer
                 elif any(process.is_alive() for process in processes):
                     time.sleep(0.01)
                 elif queue.empty():
@@ -205,19 +261,44 @@ def _launch(
             for process in processes:
                 process.join(timeout=max(0.0, deadline - time.monotonic()))
         finally:
+            hung = [process.is_alive() for process in processes]
             for process in processes:  # a rank still running now hangs
                 _end(process)
     for rank, process in enumerate(processes):
         if rank not in answers:
-            why = (
-                "was killed, with every process it started"
-                if process.exitcode == -signal.SIGKILL
-                else f"exit code {process.exitcode}"
-            )
-            answers[rank] = _Answer(
-                rank, error=f"rank {rank} gave no answer within {2 * timeout:g} s ({why})"
-            )
+            why = _no_answer(rank, process, hung[rank], rank in started, timeout)
+            answers[rank] = _Answer(rank, error=why)
     return [answers[rank] for rank in range(world)]
+
+
+def _no_answer(
+    rank: int,
+    process: multiprocessing.process.BaseProcess,
+    hung: bool,
+    started: bool,
+    timeout: float,
+) -> str:
+    """Why ``rank`` sent nothing back: it hung and was killed, or its process ended
+    first: before it ran anything of gradaccum's (it could not start), or while joining
+    the group or in ``fn`` (by ``os._exit`` or a signal)."""
+    if hung:
+        return (
+            f"rank {rank} gave no answer within {2 * timeout:g} s (was killed, with every "
+            "process it started)"
+        )
+    code = process.exitcode
+    how = f"exit code {code}" if code is None or code >= 0 else signal.Signals(-code).name
+    if started:
+        return (
+            f"rank {rank} ended ({how}) in fn or while joining the process group, without "
+            "raising (os._exit, or a signal); what it printed is above"
+        )
+    return (
+        f"rank {rank} could not start ({how}); what it printed is above. Most often its "
+        "start ran the launching script's top level again, which launched again: call "
+        'run_ranks (or check_accumulation) under `if __name__ == "__main__":`; or fn or '
+        "its arguments could not be imported there"
+    )
 
 
 def _end(process: multiprocessing.process.BaseProcess) -> None:
@@ -245,6 +326,7 @@ def _rank_main(
     queue: Any,
 ) -> None:
     os.setpgid(0, 0)  # what this rank starts joins its group, which the launcher kills
+    queue.put(_Answer(rank))  # it started: what ends it from now on is not its start
     os.environ.update(MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo")
     torch.set_num_threads(1)
     try:
