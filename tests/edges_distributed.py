@@ -100,3 +100,62 @@ def fail_then_leave(rank: int, world: int, kind: str) -> dict[str, Any]:
         outcome["refused"] = str(refused)
     acc.close()
     return outcome
+
+
+def compiled_step(
+    model: torch.nn.Module, batches: list[Any], *, steps: int, accumulator: bool
+) -> dict[str, Any]:
+    """The whole training step compiled (``torch.compile``, backend "eager"): the forward
+    and the microstep block in one function, as trainers that compile their step write it;
+    or, without ``accumulator``, the hand loop's step compiled the same way (DDP's flag
+    set before the forward, loss / steps, clipping at 0.5). AdamW; the parameters after
+    the epoch, the optimizer steps, the backward passes that all-reduced, and gradaccum's
+    warnings."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    counter = CollectiveCounter(optimizer)
+    ddp = hasattr(model, "require_backward_grad_sync")
+    with warnings.catch_warnings(record=True) as caught, counter:
+        warnings.simplefilter("always")
+        if accumulator:
+            acc = gradaccum.Accumulator(model, optimizer, steps=steps, max_grad_norm=0.5)
+
+            @torch.compile(backend="eager")
+            def step(batch: Any) -> gradaccum.Step:
+                with acc.microstep(mean_loss(model, batch)) as done:
+                    pass
+                return done
+
+            done = [step(batch) for batch in acc.epoch(batches)]
+            acc.close()
+            stepped = sum(window.boundary for window in done)
+        else:
+
+            @torch.compile(backend="eager")
+            def hand_step(index: int, batch: Any) -> None:
+                boundary = index % steps == steps - 1
+                if ddp:
+                    model.require_backward_grad_sync = boundary
+                (mean_loss(model, batch) / steps).backward()
+                if boundary:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+                    optimizer.step()
+                    optimizer.zero_grad()
+
+            for index, batch in enumerate(batches[: len(batches) // steps * steps]):
+                hand_step(index, batch)
+            stepped = len(batches) // steps
+    return {
+        "params": [param.detach().clone() for param in model.parameters()],
+        "stepped": stepped,
+        "backwards": dict(counter.counts.backwards),
+        "warnings": [str(w.message) for w in caught if "gradaccum" in w.category.__module__],
+    }
+
+
+def compiled_steps(rank: int, world: int) -> dict[str, Any]:
+    """`compiled_step` under DDP, by the accumulator and by hand, steps=4."""
+    batches = rank_batches(rank, [2] * 13)
+    return {
+        name: compiled_step(wrap("ddp", make_model()), batches, steps=4, accumulator=use)
+        for name, use in (("accumulator", True), ("hand", False))
+    }

@@ -183,3 +183,17 @@ def test_a_window_whose_norm_alone_overflows_backs_the_scale_off() -> None:
             pass
     assert not step.skipped
     assert scaler.get_scale() == 2.0**8
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_a_compiled_training_step(steps: int) -> None:
+    """The forward and the microstep block compiled as one function (``torch.compile`` of
+    the training step): bit for bit the hand loop's step compiled the same way."""
+    from tests.edges_distributed import compiled_step
+
+    batches = make_batches([2] * 13)
+    ours = compiled_step(make_model(), batches, steps=steps, accumulator=True)
+    hand = compiled_step(make_model(), batches, steps=steps, accumulator=False)
+    assert all(torch.equal(a, b) for a, b in zip(ours["params"], hand["params"], strict=True))
+    assert ours["stepped"] == hand["stepped"] == 13 // steps
+    assert ours["warnings"] == []

@@ -85,3 +85,15 @@ def test_a_failure_met_in_a_forward_collective_is_named_in_a_note(kind: str) -> 
     assert "KeyError: 'rank 1 fails on purpose'" in note
     assert note.endswith("Restart every rank from the last checkpoint")
     assert "after rank 1 failed" in survivor["refused"]
+
+
+def test_a_compiled_training_step_under_ddp() -> None:
+    """The forward and the microstep block compiled as one function under DDP: bit for bit
+    the hand loop's step compiled the same way, 3 windows, each all-reducing in one
+    backward only, no warning."""
+    for found in run(edges_distributed.compiled_steps, 2):
+        ours, hand = found["accumulator"], found["hand"]
+        assert all(torch.equal(a, b) for a, b in zip(ours["params"], hand["params"], strict=True))
+        assert ours["stepped"] == hand["stepped"] == 3
+        assert ours["backwards"] == hand["backwards"] == {"all_reduce": 3}
+        assert ours["warnings"] == []
