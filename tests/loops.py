@@ -121,11 +121,13 @@ def nanogpt_loop(
     steps: int = STEPS,
     divide: bool = True,
     grad_clip: float = 1.0,
+    autocast: torch.dtype | None = None,
 ) -> None:
     """nanoGPT's training loop, as its train.py writes it: the learning rate set by hand
-    each iteration (no scheduler), DDP's sync flag set before each forward, the loss
-    divided by the accumulation steps (unless not ``divide``: the bug), clipping, the
-    step, ``zero_grad(set_to_none=True)``; it logs nothing."""
+    each iteration (no scheduler), DDP's sync flag set before each forward, the forward
+    and the loss under ``torch.autocast`` to ``autocast`` if given (its ``with ctx:``),
+    the loss divided by the accumulation steps (unless not ``divide``: the bug),
+    clipping, the step, ``zero_grad(set_to_none=True)``; it logs nothing."""
     ddp = hasattr(model, "require_backward_grad_sync")
     for it in range(len(batches) // steps):
         lr = get_lr(it)
@@ -134,7 +136,8 @@ def nanogpt_loop(
         for micro_step in range(steps):
             if ddp:
                 model.require_backward_grad_sync = micro_step == steps - 1
-            loss = mean_loss(model, batches[it * steps + micro_step])
+            with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+                loss = mean_loss(model, batches[it * steps + micro_step])
             if divide:
                 loss = loss / steps
             loss.backward()
@@ -156,10 +159,11 @@ def small_batches(rank: int) -> list[Batch]:
 
 
 def nanogpt_check(
-    make_optimizer: Any = adamw, world: int = 1, **options: Any
+    make_optimizer: Any = adamw, world: int = 1, tolerance: float | None = None, **options: Any
 ) -> AccumulationReport:
     """`nanogpt_loop` (``options`` go to it) on a float32 model under DDP on ``world``
-    ranks (the plain model on one), no scheduler given, clipped at 1."""
+    ranks (the plain model on one), no scheduler given, clipped at 1, at ``tolerance``
+    (the check's default for None)."""
     from torch.nn.parallel import DistributedDataParallel
 
     return check_accumulation(
@@ -172,6 +176,7 @@ def nanogpt_check(
         wrap=DistributedDataParallel if world > 1 else None,
         max_grad_norm=1.0,
         expect_collectives={"all_reduce": 1} if world > 1 else None,
+        tolerance=tolerance,
     )
 
 
@@ -415,6 +420,7 @@ def checks(rank: int, world: int) -> dict[str, Any]:
         ),
         "nanogpt": nanogpt_check(world=world),
         "nanogpt_unscaled": nanogpt_check(world=world, divide=False),
+        "nanogpt_autocast": nanogpt_check(world=world, autocast=torch.bfloat16),
         "nanogpt_unscaled_sgd": nanogpt_check(sgd, world, divide=False),
         "two_optimizers": two_optimizer_check(world),
         "two_optimizers_unscaled": two_optimizer_check(world, divide=False),

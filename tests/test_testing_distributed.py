@@ -208,6 +208,15 @@ def test_nanogpt_s_loop_passes_with_no_scheduler_and_no_host_sync() -> None:
         assert [window.all_reduces for window in report.windows[1:]] == [1, 1]
 
 
+def test_nanogpt_s_loop_under_autocast_passes_at_bfloat16_s_tolerance() -> None:
+    """Its forward and loss under bfloat16 autocast (DDP's forward runs inside it): the
+    autocast is seen on every rank, one all-reduce a window."""
+    for report in checked("nanogpt_autocast"):
+        assert report.ok, report
+        assert (report.autocast, report.tolerance) == ("bfloat16", 5e-2)
+        assert [window.all_reduces for window in report.windows[1:]] == [1, 1]
+
+
 @pytest.mark.parametrize("name", ["nanogpt_unscaled", "nanogpt_unscaled_sgd"])
 def test_nanogpt_s_loop_without_dividing_by_steps_fails_with_the_factor(name: str) -> None:
     """Under AdamW, whose update ignores the gradient's scale, the parameters stay within

@@ -106,6 +106,37 @@ def test_a_threshold_no_window_reaches_is_a_blind_spot_for_clipping() -> None:
     assert blind_spots(expected_windows(9, 4), n_batches=9, steps=4, items=None, clip=kept) == []
 
 
+def test_a_trainer_under_autocast_is_checked_at_that_precision() -> None:
+    """nanoGPT's loop with its forward and loss under bfloat16 autocast, on float32
+    parameters: its gradients carry bfloat16's rounding (7e-4 here), which float32's
+    tolerance of 1e-4 took for a wrong loop. The forwards' autocast is seen, and the
+    default tolerance is bfloat16's; the report says so, and that such a tolerance
+    cannot see a gradient off by a factor near 1 on these small gradients. Not dividing
+    by steps still fails, named; a tolerance given is kept."""
+    right = loops.nanogpt_check(autocast=torch.bfloat16)
+    assert right.ok, right
+    assert (right.autocast, right.tolerance) == ("bfloat16", 5e-2)
+    assert right.max_grad_diff > 1e-4  # what float32's tolerance failed
+    assert "(tolerance 5e-02, the forwards ran under autocast to bfloat16)" in repr(right)
+    assert right.blind_spots[0].startswith(
+        "the tolerance, 5e-02, is 60% of the largest gradient entry (0.084), so a gradient "
+        "off by a constant factor from 0.40 to 1.60 passes too"
+    )
+    wrong = loops.nanogpt_check(autocast=torch.bfloat16, divide=False)
+    assert wrong.problems[0] == (
+        "the gradient of window 1 is 4.00x the reference's: is the loss divided by steps?"
+    )
+    strict = loops.nanogpt_check(autocast=torch.bfloat16, tolerance=1e-4)
+    assert (strict.ok, strict.autocast, strict.tolerance) == (False, "bfloat16", 1e-4)
+    plain = loops.nanogpt_check()
+    assert (plain.autocast, plain.tolerance) == (None, 1e-4)
+    assert not any(spot.startswith("the tolerance") for spot in plain.blind_spots)
+    windows = expected_windows(9, 4)  # a tolerance a tenth of the largest entry hides nothing
+    assert blind_spots(windows, n_batches=9, steps=4, items=None, scale=(1e-4, 1e-3)) == []
+    (spot,) = blind_spots(windows, n_batches=9, steps=4, items=None, scale=(1e-4, 4e-4))
+    assert spot.startswith("the tolerance, 1e-04, is 25% of the largest gradient entry")
+
+
 def test_blind_spots_of_the_ranks_item_counts() -> None:
     """Two ranks whose windows hold as many items each (though their microbatches differ):
     a loop that divides by its own rank's items would pass; other counts show it."""

@@ -233,13 +233,23 @@ def blind_spots(
     steps: int,
     items: list[list[int]] | None,
     clip: tuple[float | None, float, float] = (None, 0.0, 0.0),
+    scale: tuple[float, float] = (0.0, 0.0),
 ) -> list[str]:
     """The mistakes that these batches cannot show, because on them a loop making it
     trains exactly as the right one: ``windows`` (every epoch's, `expected_windows`), of
     an epoch of ``n_batches`` microbatches, with ``items`` each rank's item counts in item
-    mode, and ``clip`` the clipping asked for and the least and largest window gradient
-    norms it met (before clipping)."""
+    mode, ``clip`` the clipping asked for and the least and largest window gradient
+    norms it met (before clipping), and ``scale`` the tolerance and the largest value
+    it was compared with (a reference gradient's entry)."""
     spots = []
+    tolerance, largest = scale
+    if largest > 0 and tolerance >= largest / 4:
+        spots.append(
+            f"the tolerance, {tolerance:.0e}, is {tolerance / largest:.0%} of the largest "
+            f"gradient entry ({largest:.2g}), so a gradient off by a constant factor from "
+            f"{max(0.0, 1 - tolerance / largest):.2f} to {1 + tolerance / largest:.2f} "
+            "passes too: give batches of larger gradients, or a smaller tolerance="
+        )
     max_norm, least, largest = clip
     if max_norm is not None and largest <= max_norm:
         spots.append(

@@ -139,6 +139,9 @@ class AccumulationReport:
         blind_spots: The mistakes these batches cannot show (a loop making one trains
             exactly as the right one on them), with what batches would: an epoch that
             ``steps`` divides, one window, equal item counts. Shown, not failed.
+        autocast: The dtype (``"bfloat16"``) of the ``torch.autocast`` the trainer's
+            forwards ran under, where it is below the parameters' precision: the default
+            tolerance is that dtype's. None otherwise.
     """
 
     steps: int
@@ -160,6 +163,7 @@ class AccumulationReport:
     gradients: Literal["full", "norm"] = "full"
     learning_rates: list[list[float]] = field(default_factory=list)
     blind_spots: list[str] = field(default_factory=list)
+    autocast: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -181,6 +185,7 @@ class AccumulationReport:
             lr = f" (lr {rates[0]})"
         elif rates:
             lr = f" (lr in [{rates[0]}, {rates[-1]}])"
+        amp = f", the forwards ran under autocast to {self.autocast}" if self.autocast else ""
         lines = [
             f"accumulation at steps={self.steps} on {self.world_size} "
             f"rank{'s' if self.world_size > 1 else ''} ({self.mode} mode): {verdict}",
@@ -188,7 +193,7 @@ class AccumulationReport:
             f"  optimizer{'/scheduler' if scheduler else ''} steps "
             f"{self.optimizer_steps}{scheduler} of {self.expected_steps}; "
             f"max |{grad} - reference| {self.max_grad_diff:.1e}, "
-            f"|param - reference| {self.max_abs_diff:.1e} (tolerance {self.tolerance:.0e}); "
+            f"|param - reference| {self.max_abs_diff:.1e} (tolerance {self.tolerance:.0e}{amp}); "
             f"per window: {self.per_window}",
             f"  the reference stepped with the hyperparameters the trainer's optimizers held{lr}",
             *(f"  not seen with these batches: {spot}" for spot in self.blind_spots),
@@ -281,7 +286,9 @@ def check_accumulation(
             all-reduces nothing else. Without an all-reduce count, a DDP model's sync is
             checked anyway: its all-reduces must run in one backward a window.
         tolerance: The largest gap accepted, for gradients and parameters; by default
-            1e-10 for a float64 model, 1e-4 for float32, 5e-2 below.
+            1e-10 for a float64 model, 1e-4 for float32, 5e-2 below, and 5e-2 too where
+            the model's forwards ran under ``torch.autocast`` to a lower precision (seen
+            by a forward pre-hook on the model: an autocast inside its ``forward`` is not).
         backend: The launched ranks' backend, ``"gloo"`` or ``"nccl"``.
 
     Returns:
@@ -538,6 +545,8 @@ class _Run:
     learning_rates: list[list[float]]
     ddp: bool
     norms: tuple[float, float]  # the reference's least and largest gradient norms, unclipped
+    largest: float  # the largest entry (or norm, with gradients == "norm") compared
+    autocast: str | None  # the dtype of the autocast that set the precision, if one did
 
 
 def _run_on_rank(rank: int, world: int, setup: _Setup) -> _Run:
@@ -571,9 +580,6 @@ def _run(setup: _Setup, rank: int) -> _Run:
     schedulers = _schedulers(scheduler, len(optimizers))
     start = full_params(wrapped)
     dtype = next((p.dtype for p in wrapped.parameters() if p.is_floating_point()), torch.float64)
-    tolerance = setup.tolerance
-    if tolerance is None:
-        tolerance = _TOLERANCES.get(dtype, _LOW_PRECISION_TOLERANCE)
     reference = _Reference(setup, start)  # refuses a model whose parameters it cannot match
     counter = CollectiveCounter()
     observed = Observed(wrapped, optimizers, counter)
@@ -594,6 +600,12 @@ def _run(setup: _Setup, rank: int) -> _Run:
     finally:
         for one in schedulers.values():
             del one.step  # its class's step again
+    # The tolerance follows the lowest precision the trainer computes in: its parameters',
+    # or that of the autocast its forwards ran under.
+    lowest = max([dtype, *observed.autocast], key=lambda kind: torch.finfo(kind).eps)
+    tolerance = setup.tolerance
+    if tolerance is None:
+        tolerance = _TOLERANCES.get(lowest, _LOW_PRECISION_TOLERANCE)
     windows = list(reference.windows(observed.hyperparameters))
     worst, where = 0.0, None
     for index, (got, want) in enumerate(zip(after, windows, strict=False)):
@@ -621,6 +633,21 @@ def _run(setup: _Setup, rank: int) -> _Run:
         learning_rates=observed.learning_rates(),
         ddp=isinstance(unwrap(wrapped), DistributedDataParallel),
         norms=_extremes([float(flat(window.raw).norm()) for window in windows]),
+        largest=_largest(windows, observed.norm_only),
+        autocast=str(lowest).removeprefix("torch.") if lowest in observed.autocast else None,
+    )
+
+
+def _largest(windows: list[_Window], norm_only: bool) -> float:
+    """The largest value compared with a window's gradient: an entry of the reference's,
+    or its norm where only the norm is compared."""
+    return max(
+        (
+            float(flat(window.grad).norm() if norm_only else flat(window.grad).abs().max())
+            for window in windows
+            if window.grad
+        ),
+        default=0.0,
     )
 
 
@@ -835,7 +862,9 @@ def _merge(setup: _Setup, runs: list[_Run]) -> AccumulationReport:
             steps=setup.steps,
             items=setup.item_counts(),
             clip=(setup.max_grad_norm, *first.norms),
+            scale=(first.tolerance, first.largest),
         ),
+        autocast=first.autocast,
     )
 
 

@@ -1,7 +1,7 @@
 """What a trainer's optimizers held at each ``optimizer.step()``: the hyperparameters of
 every param group and the full (unsharded) gradient of their parameters, read by a step
 pre-hook, so that the reference can step as the trainer did and be compared with what
-each step saw."""
+each step saw; and the autocast its model's forwards ran under (a forward pre-hook)."""
 
 from __future__ import annotations
 
@@ -96,6 +96,9 @@ class Observed:
         grads: Per optimizer, per step, each parameter's full gradient (None without
             one) by its index in the unwrapped module's order.
         norms: Under FSDP1, the whole gradient's norm at each step of the first optimizer.
+        autocast: The dtypes the model's forwards ran under ``torch.autocast`` to (for
+            its parameters' device type), as nanoGPT's ``with ctx:`` around the forward
+            and the loss runs them; an autocast inside ``forward`` itself is not seen.
     """
 
     def __init__(
@@ -112,6 +115,8 @@ class Observed:
         self.hyperparameters: list[list[Groups]] = [[] for _ in optimizers]
         self.grads: list[list[dict[int, torch.Tensor | None]]] = [[] for _ in optimizers]
         self.norms: list[float] = []
+        self.autocast: set[torch.dtype] = set()
+        self._device = next((p.device.type for p in model.parameters()), "cpu")
         self._hooks = ExitStack()
 
     @property
@@ -123,10 +128,15 @@ class Observed:
         for index, optimizer in enumerate(self._optimizers):
             hook = optimizer.register_step_pre_hook(functools.partial(self._read, index))
             self._hooks.callback(hook.remove)
+        self._hooks.callback(self._model.register_forward_pre_hook(self._forward).remove)
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._hooks.close()
+
+    def _forward(self, *_: object) -> None:
+        if torch.is_autocast_enabled(self._device):
+            self.autocast.add(torch.get_autocast_dtype(self._device))
 
     def _read(self, index: int, optimizer: torch.optim.Optimizer, *_: object) -> None:
         with self._counter.paused():  # reading and gathering is not training
