@@ -53,6 +53,7 @@ class Stepper:
         self.applied = False
         self._where = where  # "microstep k of n" while a window is open, else None
         self._stepping = False
+        self._stepped = 0  # optimizer steps taken while the accumulator steps them
         self._unscaled = False
         # [scheduler, its last_epoch after the accumulator's last step of it, or None]
         self._scheduled: list[list[Any]] = [
@@ -107,11 +108,7 @@ class Stepper:
                 for optimizer in self.optimizers:
                     optimizer.step()
             else:
-                scale = scaler.get_scale()
-                for optimizer in self.optimizers:
-                    scaler.step(optimizer)
-                scaler.update()
-                skip = scaler.get_scale() < scale  # it shrinks only on a skip
+                skip = self._scaled_step(scaler)
             if not skip:
                 self.applied = True
                 for record in self._scheduled:
@@ -124,6 +121,23 @@ class Stepper:
             self._stepping = False
         self.clear()
         return skip
+
+    def _scaled_step(self, scaler: torch.amp.GradScaler) -> bool:
+        """Step every optimizer through ``scaler`` and update it; return whether the scaler
+        skipped the step. GradScaler calls an optimizer's ``step()`` only when its
+        gradient is finite (its own one host sync), which the step pre-hook sees: no read
+        of ours. An optimizer that takes the scaler into its step (``fused=True``) is
+        always called and skips on the device; there the skip is read as the scale
+        shrinking (two host syncs)."""
+        inside = any(getattr(o, "_step_supports_amp_scaling", False) for o in self.optimizers)
+        scale = scaler.get_scale() if inside else 0.0
+        self._stepped = 0
+        for optimizer in self.optimizers:
+            scaler.step(optimizer)
+        scaler.update()
+        if inside:
+            return scaler.get_scale() < scale  # it shrinks only on a skip
+        return not self._stepped
 
     def clear(self) -> None:
         """After a window, whatever became of it: gradients cleared, scaler record reset."""
@@ -155,6 +169,7 @@ class Stepper:
 
     def _foreign_step(self, optimizer: torch.optim.Optimizer, *_: object) -> None:
         if self._stepping:
+            self._stepped += 1
             return
         where = self._where()
         if where is not None:

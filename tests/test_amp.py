@@ -11,10 +11,18 @@ import gradaccum
 from tests.helpers import make_batches, make_model, mean_loss
 
 
-def run(scaler: torch.amp.GradScaler | None, poison: set[int] = frozenset()) -> tuple:
+def run(
+    scaler: torch.amp.GradScaler | None, poison: set[int] = frozenset(), fused: bool = False
+) -> tuple:
+    """steps=4 over 12 microbatches, clipped, a StepLR; SGD, or with ``fused`` an AdamW
+    with ``fused=True``, which takes the scaler into its step (and skips on the device)."""
     batches = make_batches([3] * 12, dtype=torch.float32)
     model = make_model(dtype=torch.float32)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = (
+        torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+        if fused
+        else torch.optim.SGD(model.parameters(), lr=0.1)
+    )
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     acc = gradaccum.Accumulator(
         model, optimizer, scheduler, steps=4, max_grad_norm=1.0, scaler=scaler
@@ -41,10 +49,13 @@ def test_power_of_two_scale_matches_no_scaler_exactly() -> None:
         assert torch.equal(p, q)
 
 
-def test_overflow_skips_the_window_and_its_scheduler_step() -> None:
-    """An inf in window 2: no update, no scheduler step, step.skipped, scale backed off."""
+@pytest.mark.parametrize("fused", [False, True], ids=["skipped_by_the_scaler", "fused"])
+def test_overflow_skips_the_window_and_its_scheduler_step(fused: bool) -> None:
+    """An inf in window 2: no update, no scheduler step, step.skipped, scale backed off;
+    whether GradScaler skips the optimizer's step (seen by its pre-hook) or calls a
+    fused one, which skips on the device (seen as the scale shrinking)."""
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
-    _, scheduler, acc, steps, snapshots = run(scaler, poison={5})
+    _, scheduler, acc, steps, snapshots = run(scaler, poison={5}, fused=fused)
     assert [s.skipped for s in steps] == [False, True, False]
     assert acc.global_step == 3  # windows completed, the skipped one included
     assert scheduler.last_epoch == 2
