@@ -325,13 +325,24 @@ def own_items_loop(
         scheduler.step()
 
 
+def with_dropout() -> nn.Module:
+    """`make_model`'s layers with a dropout of 0.1 after the first: not per item."""
+    first, tanh, last = make_model()
+    return nn.Sequential(first, nn.Dropout(0.1), tanh, last)
+
+
 def check(
-    loop: Any, *, by_items: bool = False, uneven: bool = False, **options: Any
+    loop: Any,
+    *,
+    by_items: bool = False,
+    uneven: bool = False,
+    make_model: Any = make_model,
+    **options: Any,
 ) -> AccumulationReport:
     """``loop`` checked on this process's ranks (one, or those of the group) in the mean
     mode, or by items with ``by_items``, with a StepLR; with ``uneven``, the last rank's
     microbatches have their rows in reverse order (so the ranks' windows hold different
-    items); ``options`` go to `check_accumulation`."""
+    items); ``make_model`` and ``options`` go to `check_accumulation`."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     reverse = uneven and world > 1
     return check_accumulation(
@@ -421,6 +432,7 @@ def checks(rank: int, world: int) -> dict[str, Any]:
         "nanogpt": nanogpt_check(world=world),
         "nanogpt_unscaled": nanogpt_check(world=world, divide=False),
         "nanogpt_autocast": nanogpt_check(world=world, autocast=torch.bfloat16),
+        "dropout": check(hand_loop, make_model=with_dropout, **ddp),
         "nanogpt_unscaled_sgd": nanogpt_check(sgd, world, divide=False),
         "two_optimizers": two_optimizer_check(world),
         "two_optimizers_unscaled": two_optimizer_check(world, divide=False),

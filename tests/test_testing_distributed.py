@@ -217,6 +217,15 @@ def test_nanogpt_s_loop_under_autocast_passes_at_bfloat16_s_tolerance() -> None:
         assert [window.all_reduces for window in report.windows[1:]] == [1, 1]
 
 
+def test_dropout_under_ddp_is_named_as_the_cause() -> None:
+    """A right DDP loop on a model with dropout: the report names the dropout first, by its
+    path in the wrapped model."""
+    for report in checked("dropout"):
+        assert report.problems[0].startswith(
+            "the model's forwards ran Dropout(p=0.1) at 'module.1' in training mode"
+        )
+
+
 @pytest.mark.parametrize("name", ["nanogpt_unscaled", "nanogpt_unscaled_sgd"])
 def test_nanogpt_s_loop_without_dividing_by_steps_fails_with_the_factor(name: str) -> None:
     """Under AdamW, whose update ignores the gradient's scale, the parameters stay within

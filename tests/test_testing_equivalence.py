@@ -137,6 +137,53 @@ def test_a_trainer_under_autocast_is_checked_at_that_precision() -> None:
     assert spot.startswith("the tolerance, 1e-04, is 25% of the largest gradient entry")
 
 
+def with_middle(middle: Any, argument: float) -> torch.nn.Module:
+    """`make_model`'s layers with ``middle(argument)`` after the first."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(5, 7), middle(argument), torch.nn.Tanh(), torch.nn.Linear(7, 1)
+    ).double()
+
+
+@pytest.mark.parametrize(
+    ("middle", "argument", "active"),
+    [
+        (torch.nn.Dropout, 0.1, "Dropout(p=0.1) at '1'"),
+        (torch.nn.BatchNorm1d, 7, "BatchNorm1d at '1'"),
+        (torch.nn.Dropout, 0.0, None),
+        (torch.nn.LayerNorm, 7, None),
+    ],
+    ids=["dropout", "batch_norm", "dropout_0", "layer_norm"],
+)
+def test_a_model_that_is_not_per_item_is_named_as_the_cause(
+    middle: Any, argument: float, active: str | None
+) -> None:
+    """A right loop on a model with dropout, or a batch norm, in training mode: its
+    gradients cannot match one big batch's, which once read as a wrong loop ("off the
+    float64 big-batch reference by ..."); the report now says first which module makes
+    the check impossible, and how to build the model for it. Dropout 0 and a per-item
+    norm pass."""
+    report = check_accumulation(
+        functools.partial(with_middle, middle, argument),
+        loops.sgd,
+        loops.hand_loop,
+        [make_batches([2] * 13)],  # (a batch norm refuses a microbatch of one row)
+        mean_loss,
+        steps=4,
+    )
+    if active is None:
+        assert report.ok, report
+        return
+    assert report.problems[0] == (
+        f"the model's forwards ran {active} in training mode, whose output is not the same "
+        "for a microbatch alone as inside one big batch (dropout draws its own masks, a "
+        "batch norm normalizes by the microbatch's statistics), so its gradients cannot "
+        "match the reference's whatever the loop: build make_model's model for the check "
+        "without them (dropout 0; a per-item norm such as LayerNorm or GroupNorm, or the "
+        "batch norm in eval mode)"
+    )
+
+
 def test_blind_spots_of_the_ranks_item_counts() -> None:
     """Two ranks whose windows hold as many items each (though their microbatches differ):
     a loop that divides by its own rank's items would pass; other counts show it."""

@@ -18,6 +18,7 @@ __all__ = [
     "ddp_problem",
     "gap",
     "gradient_problem",
+    "not_per_item_problem",
     "step_problem",
     "worse",
 ]
@@ -165,6 +166,23 @@ def _factor_hint(scale: float, length: int, steps: int, world: int) -> str | Non
     if world > 1 and near(world):
         return f"are the gradients summed over the {world} ranks instead of averaged?"
     return None
+
+
+def not_per_item_problem(active: dict[str, str]) -> str:
+    """The trainer's forwards ran modules that make a microbatch's gradient other than its
+    share of one big batch's (``active``: their names and what they are), so the check
+    cannot compare them: dropout draws masks the reference cannot draw, and a batch norm
+    in training mode normalizes by each microbatch's own statistics."""
+    names = [f"{kind} at {name!r}" for name, kind in active.items()]
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return (
+        f"the model's forwards ran {shown} in training mode, whose output is not the "
+        "same for a microbatch alone as inside one big batch (dropout draws its own "
+        "masks, a batch norm normalizes by the microbatch's statistics), so its gradients "
+        "cannot match the reference's whatever the loop: build make_model's model for the "
+        "check without them (dropout 0; a per-item norm such as LayerNorm or GroupNorm, or "
+        "the batch norm in eval mode)"
+    )
 
 
 def collective_problem(

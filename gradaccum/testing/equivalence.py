@@ -40,6 +40,7 @@ from gradaccum.testing.diagnosis import (
     ddp_problem,
     gap,
     gradient_problem,
+    not_per_item_problem,
     step_problem,
     worse,
 )
@@ -547,6 +548,7 @@ class _Run:
     norms: tuple[float, float]  # the reference's least and largest gradient norms, unclipped
     largest: float  # the largest entry (or norm, with gradients == "norm") compared
     autocast: str | None  # the dtype of the autocast that set the precision, if one did
+    not_per_item: dict[str, str]  # the dropouts and batch norms active in its forwards
 
 
 def _run_on_rank(rank: int, world: int, setup: _Setup) -> _Run:
@@ -635,6 +637,7 @@ def _run(setup: _Setup, rank: int) -> _Run:
         norms=_extremes([float(flat(window.raw).norm()) for window in windows]),
         largest=_largest(windows, observed.norm_only),
         autocast=str(lowest).removeprefix("torch.") if lowest in observed.autocast else None,
+        not_per_item=observed.not_per_item,
     )
 
 
@@ -790,6 +793,9 @@ def _merge(setup: _Setup, runs: list[_Run]) -> AccumulationReport:
             grad_worst, grad_where = run.max_grad_diff, run.worst_grad_window
     per_window = usual(first.windows)
     problems = []
+    active = {name: kind for run in runs for name, kind in run.not_per_item.items()}
+    if active:
+        problems.append(not_per_item_problem(active))
     agree = True
     for name in [*first.optimizer_steps, *first.scheduler_steps]:
         counts = [{**run.optimizer_steps, **run.scheduler_steps}[name] for run in runs]

@@ -99,6 +99,8 @@ class Observed:
         autocast: The dtypes the model's forwards ran under ``torch.autocast`` to (for
             its parameters' device type), as nanoGPT's ``with ctx:`` around the forward
             and the loss runs them; an autocast inside ``forward`` itself is not seen.
+        not_per_item: The modules that made a forward other than one big batch's, by
+            name: a dropout with ``p > 0`` or a batch norm, in training mode.
     """
 
     def __init__(
@@ -116,6 +118,12 @@ class Observed:
         self.grads: list[list[dict[int, torch.Tensor | None]]] = [[] for _ in optimizers]
         self.norms: list[float] = []
         self.autocast: set[torch.dtype] = set()
+        self.not_per_item: dict[str, str] = {}
+        self._suspects = [
+            (name, module)
+            for name, module in unwrap(model).named_modules()
+            if isinstance(module, (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm))
+        ]
         self._device = next((p.device.type for p in model.parameters()), "cpu")
         self._hooks = ExitStack()
 
@@ -137,6 +145,11 @@ class Observed:
     def _forward(self, *_: object) -> None:
         if torch.is_autocast_enabled(self._device):
             self.autocast.add(torch.get_autocast_dtype(self._device))
+        for name, module in self._suspects:
+            p = getattr(module, "p", None)  # a dropout's; a batch norm has none
+            if module.training and p != 0:
+                kind = type(module).__name__
+                self.not_per_item.setdefault(name, kind if p is None else f"{kind}(p={p})")
 
     def _read(self, index: int, optimizer: torch.optim.Optimizer, *_: object) -> None:
         with self._counter.paused():  # reading and gathering is not training
