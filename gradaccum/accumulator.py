@@ -83,8 +83,9 @@ class Accumulator:
         ConfigError: An argument has a value outside what is accepted, the model has no
             trainable parameter, an optimizer holds none of them, two optimizers share
             a parameter, the schedulers do not line up with the optimizers, or the
-            model's wrapping cannot defer as ``sync`` asks (DDP with
-            ``static_graph=True``).
+            model's wrapping cannot be accumulated over as it is (DDP modules side by
+            side over different process groups, a ``fully_shard`` divide factor other
+            than its ranks).
 
     Attributes:
         model: The model, as given.
@@ -180,8 +181,8 @@ class Accumulator:
             ConfigTypeError, ConfigError: The value is not a positive int.
             UsageError: A window is open (and the value is another), or the accumulator
                 is closed.
-            ConfigError: The wrapping cannot defer (DDP ``static_graph=True``) and the
-                value is above 1.
+            ConfigError: The wrapping cannot be accumulated over with the value (a
+                strategy made for it refused it; nothing has changed).
         """
         return self._steps
 

@@ -145,6 +145,23 @@ class DDPSync(SyncStrategy):
         self._founds = [_ddp_found(ddp)]
         self._armed = ddp.require_backward_grad_sync
         self._holds = True
+        self._static = bool(getattr(ddp, "static_graph", False))
+
+    def first_iteration(self) -> bool:
+        """Whether a DDP held with ``static_graph=True`` has not run its first iteration,
+        whose backward must all-reduce (torch's reducer asserts otherwise): until its
+        first backward has queued DDP's delayed all-reduce."""
+        return self._static and not all(
+            getattr(ddp, "_static_graph_delay_allreduce_enqueued", False) is True
+            for ddp in self._ddps
+            if getattr(ddp, "static_graph", False)
+        )
+
+    def _will_sync(self, sync: bool) -> bool:
+        """What the next backward is armed to do: ``sync``, or all-reduce all the same
+        where the policy never defers or a static graph's first iteration is to run (the
+        first window then all-reduces on every microstep: exact, averaging is linear)."""
+        return sync or not self._defer or self.first_iteration()
 
     def overridden(self) -> bool | None:
         """Whether this backward all-reduces, if that is not what was armed: DDP decided
@@ -155,7 +172,7 @@ class DDPSync(SyncStrategy):
 
     def arm(self, sync: bool) -> None:
         """All-reduce in the next backward unless it is deferred."""
-        self._armed = sync or not self._defer
+        self._armed = self._will_sync(sync)
         self._ddp.require_backward_grad_sync = self._armed
 
     def restore(self) -> None:
@@ -437,22 +454,11 @@ def _outermost(model: nn.Module, cls: type) -> list[Any]:
     return [found for child in model.children() for found in _outermost(child, cls)]
 
 
-class _StaticGraphError(ConfigError):
-    """DDP with ``static_graph=True`` cannot defer; `no_sync` words its own fix."""
-
-
 def _ddp(model: nn.Module, policy: SyncPolicy) -> SyncStrategy:
     from torch.nn.parallel import DistributedDataParallel
 
     ddps = _outermost(model, DistributedDataParallel)
     defer = policy != "every"
-    if defer and any(getattr(ddp, "static_graph", False) for ddp in ddps):
-        msg = (
-            "model is a DistributedDataParallel with static_graph=True, whose first "
-            "iteration cannot skip the all-reduce (torch's reducer asserts); pass "
-            "sync='every', or build DDP without static_graph=True"
-        )
-        raise _StaticGraphError(msg)
     if len(ddps) == 1:
         return DDPSync(ddps[0], defer=defer)
     if len({id(ddp.process_group) for ddp in ddps}) > 1:
@@ -473,6 +479,7 @@ class SeveralDDPSync(DDPSync):
     def __init__(self, ddps: Sequence[Any], *, defer: bool) -> None:
         super().__init__(ddps[0], defer=defer)
         self._ddps = tuple(ddps)
+        self._static = any(getattr(ddp, "static_graph", False) for ddp in ddps)
         self.forward_communicates = any(_broadcasts_buffers(ddp) for ddp in ddps)
         self._founds += [_ddp_found(ddp) for ddp in ddps[1:]]
 
@@ -486,7 +493,7 @@ class SeveralDDPSync(DDPSync):
 
     def arm(self, sync: bool) -> None:
         """All-reduce in the next backward, on every one, unless it is deferred."""
-        self._armed = sync or not self._defer
+        self._armed = self._will_sync(sync)
         for ddp in self._ddps:
             ddp.require_backward_grad_sync = self._armed
 
@@ -595,8 +602,13 @@ def strategy_for(model: nn.Module, policy: SyncPolicy = "auto") -> SyncStrategy:
     type, on rank 0). A model with none of them is local.
 
     Raises:
-        ConfigError: The wrapping cannot defer as ``policy`` asks (DDP with
-            ``static_graph=True``).
+        ConfigError: The wrapping cannot be accumulated over as it is (DDP modules side
+            by side over different process groups, a ``fully_shard`` divide factor other
+            than its ranks).
+
+    A DDP with ``static_graph=True`` all-reduces in every backward until its first
+    iteration has run (torch's reducer asserts on a first iteration that skips it), and
+    defers after it.
     """
     model = unwrap(model)
     modules = list(model.modules())
@@ -680,8 +692,8 @@ def no_sync(model: nn.Module) -> AbstractContextManager[None]:
 
     Raises:
         ConfigTypeError: ``model`` is not a ``torch.nn.Module``.
-        ConfigError: On entering, ``model`` is a DDP with ``static_graph=True``, which
-            cannot skip its first iteration's all-reduce.
+        ConfigError: On entering, ``model`` is a DDP with ``static_graph=True`` that
+            has not run its first iteration, whose all-reduce it cannot skip.
 
     Examples:
         >>> model = torch.nn.Linear(2, 1)
@@ -696,16 +708,16 @@ def no_sync(model: nn.Module) -> AbstractContextManager[None]:
 
 @contextmanager
 def _no_sync(model: nn.Module) -> Iterator[None]:
-    try:
-        strategy = strategy_for(model, "boundary")
-    except _StaticGraphError:
+    strategy = strategy_for(model, "boundary")
+    if isinstance(strategy, DDPSync) and strategy.first_iteration():
+        strategy.restore()
         msg = (
             "no_sync() cannot keep the gradients of a DistributedDataParallel with "
-            "static_graph=True local: its first iteration must all-reduce (torch's "
-            "reducer asserts); run these microsteps outside no_sync(), each then "
-            "all-reduces, or build DDP without static_graph=True"
+            "static_graph=True local before its first iteration, which must all-reduce "
+            "(torch's reducer asserts): run the run's first microstep outside no_sync() "
+            "(its backward all-reduces; averaging is linear, so the window stays exact)"
         )
-        raise ConfigError(msg) from None
+        raise ConfigError(msg)
     strategy.arm(False)
     first = next(model.parameters(), None)
     before = None if first is None else first.grad

@@ -159,3 +159,38 @@ def compiled_steps(rank: int, world: int) -> dict[str, Any]:
         name: compiled_step(wrap("ddp", make_model()), batches, steps=4, accumulator=use)
         for name, use in (("accumulator", True), ("hand", False))
     }
+
+
+class Checkpointed(torch.nn.Module):
+    """`make_model`'s layers, the last two under reentrant activation checkpointing (what
+    DDP's ``static_graph=True`` is most often for; their input requires grad, without
+    which reentrant checkpointing computes no gradient for what it holds)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = make_model()
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.body[1:], self.body[0](inputs), use_reentrant=True)  # type: ignore[no-any-return]
+
+
+def static_graph(rank: int, world: int, checkpointed: bool) -> dict[str, Any]:
+    """DDP with ``static_graph=True`` under the Accumulator, steps=2 over 8 microbatches:
+    per window, the backward passes that all-reduced; the parameters."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(
+        Checkpointed() if checkpointed else make_model(), static_graph=True
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    counter = CollectiveCounter(optimizer)
+    with counter, gradaccum.Accumulator(model, optimizer, steps=2) as acc:
+        for batch in acc.epoch(rank_batches(rank, [2] * 8)):
+            with acc.microstep(mean_loss(model, batch)):
+                pass
+    return {
+        "backwards": [window.backwards.get("all_reduce", 0) for window in counter.windows],
+        "params": [param.detach().clone() for param in model.parameters()],
+    }

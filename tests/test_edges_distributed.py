@@ -9,7 +9,7 @@ import torch
 
 from tests import edges_distributed
 from tests.distributed import rank_batches, run
-from tests.helpers import concat, make_model, mean_loss, windows_of
+from tests.helpers import concat, make_model, mean_loss, reference_sgd, windows_of
 
 TOL = 1e-12
 
@@ -97,3 +97,19 @@ def test_a_compiled_training_step_under_ddp() -> None:
         assert ours["stepped"] == hand["stepped"] == 3
         assert ours["backwards"] == hand["backwards"] == {"all_reduce": 3}
         assert ours["warnings"] == []
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "reentrant_checkpoint"])
+def test_ddp_with_static_graph_defers_after_its_first_window(checkpointed: bool) -> None:
+    """static_graph=True, whose first iteration must all-reduce (torch's reducer asserts
+    otherwise), also under reentrant activation checkpointing: the first window
+    all-reduces in both its backwards, each later one in its last only, and the
+    parameters are the float64 big-batch reference's."""
+    outcomes = run(edges_distributed.static_graph, 2, checkpointed)
+    per_rank = [windows_of(rank_batches(rank, [2] * 8), 2) for rank in range(2)]
+    windows = [[batch for part in both for batch in part] for both in zip(*per_rank, strict=True)]
+    want = list(reference_sgd(make_model(), windows, 0.1).parameters())
+    for outcome in outcomes:
+        assert outcome["backwards"] == [2, 1, 1, 1]
+        for got, expected in zip(outcome["params"], want, strict=True):
+            assert (got - expected).abs().max().item() < TOL

@@ -116,29 +116,41 @@ def test_fsdp1_roots_side_by_side_are_refused() -> None:
 
 
 @pytest.mark.usefixtures("process_group")
-def test_ddp_static_graph_is_refused_when_deferring() -> None:
-    """static_graph=True cannot skip its first all-reduce: refused, unless nothing defers;
-    also when steps is raised from 1 later, which leaves the accumulator as it was."""
+def test_ddp_static_graph_defers_after_its_first_iteration() -> None:
+    """static_graph=True cannot skip its first iteration's all-reduce (torch's reducer
+    asserts), and can defer after it: the first window all-reduces on every microstep,
+    the later ones on their last only (what each forward was set to, as DDP recorded
+    it), bit for bit the same on one rank as without static_graph. Raising steps from 1
+    later defers from then on."""
     from torch.nn.parallel import DistributedDataParallel
 
+    trained = []
+    for static in (True, False):
+        ddp = DistributedDataParallel(make_model(), static_graph=static)
+        seen = []
+        with gradaccum.Accumulator(ddp, sgd(ddp), steps=2) as acc:
+            for batch in acc.epoch(make_batches([2] * 6)):
+                loss = mean_loss(ddp, batch)
+                seen.append(ddp.require_forward_param_sync)
+                with acc.microstep(loss):
+                    pass
+        assert seen == ([True, True] if static else [False, True]) + [False, True] * 2
+        trained.append(list(ddp.parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(*trained, strict=True))
     ddp = DistributedDataParallel(make_model(), static_graph=True)
-    for sync in ("auto", "boundary"):
-        with pytest.raises(gradaccum.ConfigError, match=r"static_graph=True.*sync='every'"):
-            gradaccum.Accumulator(ddp, sgd(ddp), steps=2, sync=sync)
-    for steps, sync in ((2, "every"), (1, "auto")):
-        acc = gradaccum.Accumulator(ddp, sgd(ddp), steps=steps, sync=sync)
-        for batch in acc.epoch(make_batches([2] * 4)):
-            with acc.microstep(mean_loss(ddp, batch)):
-                pass
-        assert acc.global_step == 4 // steps
-        acc.close()
     acc = gradaccum.Accumulator(ddp, sgd(ddp), steps=1)
-    with pytest.raises(gradaccum.ConfigError, match="static_graph=True"):
-        acc.steps = 2  # from 1 the policy would start deferring
-    for batch in acc.epoch(make_batches([2] * 2)):  # still steps=1, still all-reducing
+    for batch in acc.epoch(make_batches([2] * 2)):
         with acc.microstep(mean_loss(ddp, batch)):
             pass
-    assert (acc.steps, acc.global_step, ddp.require_backward_grad_sync) == (1, 2, True)
+    acc.steps = 2  # its first iteration ran: it defers from now on
+    seen = []
+    for batch in acc.epoch(make_batches([2] * 2)):
+        loss = mean_loss(ddp, batch)
+        seen.append(ddp.require_forward_param_sync)
+        with acc.microstep(loss):
+            pass
+    assert (seen, acc.global_step) == ([False, True], 3)
+    acc.close()
 
 
 @pytest.mark.usefixtures("process_group")
@@ -263,21 +275,30 @@ def test_an_accumulator_left_open_does_not_change_what_a_new_one_restores(wrap: 
 
 
 @pytest.mark.usefixtures("process_group")
-def test_no_sync_refuses_static_graph_with_a_fix_it_can_take() -> None:
-    """no_sync() has no sync argument, so its refusal of static_graph=True says what to do
-    instead; the DDP flag is left as it was."""
+def test_no_sync_refuses_static_graph_only_before_its_first_iteration() -> None:
+    """no_sync() has no sync argument, so its refusal of a static graph's first
+    iteration says what to do instead, and leaves the DDP flag as it was; once a first
+    microstep has all-reduced outside it, no_sync() keeps the next backward local."""
     from torch.nn.parallel import DistributedDataParallel
+
+    from gradaccum.testing import CollectiveCounter
 
     ddp = DistributedDataParallel(make_model(), static_graph=True)
     with pytest.raises(gradaccum.ConfigError) as caught, gradaccum.no_sync(ddp):
         pass
-    message = str(caught.value)
-    assert message.startswith(
+    assert str(caught.value) == (
         "no_sync() cannot keep the gradients of a DistributedDataParallel with "
-        "static_graph=True local"
+        "static_graph=True local before its first iteration, which must all-reduce "
+        "(torch's reducer asserts): run the run's first microstep outside no_sync() "
+        "(its backward all-reduces; averaging is linear, so the window stays exact)"
     )
-    assert "run these microsteps outside no_sync()" in message
-    assert "sync=" not in message
+    assert ddp.require_backward_grad_sync
+    batches = make_batches([2, 2])
+    mean_loss(ddp, batches[0]).backward()  # the first iteration, all-reducing
+    counter = CollectiveCounter()
+    with counter, gradaccum.no_sync(ddp):
+        mean_loss(ddp, batches[1]).backward()
+    assert counter.counts.all_reduces == 0
     assert ddp.require_backward_grad_sync
 
 
