@@ -260,13 +260,14 @@ def blind_spots(
     norms it met (before clipping), and ``scale`` the tolerance and the largest value
     it was compared with (a reference gradient's entry)."""
     spots = []
-    tolerance, largest = scale
-    if largest > 0 and tolerance >= largest / 4:
+    tolerance, entry = scale
+    if entry > 0 and tolerance >= entry / 4:
+        share = tolerance / entry
         spots.append(
-            f"the tolerance, {tolerance:.0e}, is {tolerance / largest:.0%} of the largest "
-            f"gradient entry ({largest:.2g}), so a gradient off by a constant factor from "
-            f"{max(0.0, 1 - tolerance / largest):.2f} to {1 + tolerance / largest:.2f} "
-            "passes too: give batches of larger gradients, or a smaller tolerance="
+            f"the tolerance, {tolerance:.0e}, is {share:.0%} of the largest gradient entry "
+            f"({entry:.2g}), so a gradient off by a constant factor from "
+            f"{max(0.0, 1 - share):.2f} to {1 + share:.2f} passes too: give batches of "
+            "larger gradients, or a smaller tolerance="
         )
     max_norm, least, largest = clip
     if max_norm is not None and largest <= max_norm:
