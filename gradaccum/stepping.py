@@ -54,6 +54,11 @@ class Stepper:
         self._where = where  # "microstep k of n" while a window is open, else None
         self._stepping = False
         self._stepped = 0  # optimizer steps taken while the accumulator steps them
+        # Optimizers that take the scaler into their step (fused=True): GradScaler always
+        # calls their step(), and they skip on the device.
+        self._scaled_inside = any(
+            getattr(optimizer, "_step_supports_amp_scaling", False) for optimizer in optimizers
+        )
         self._unscaled = False
         # [scheduler, its last_epoch after the accumulator's last step of it, or None]
         self._scheduled: list[list[Any]] = [
@@ -129,7 +134,7 @@ class Stepper:
         of ours. An optimizer that takes the scaler into its step (``fused=True``) is
         always called and skips on the device; there the skip is read as the scale
         shrinking (two host syncs)."""
-        inside = any(getattr(o, "_step_supports_amp_scaling", False) for o in self.optimizers)
+        inside = self._scaled_inside
         scale = scaler.get_scale() if inside else 0.0
         self._stepped = 0
         for optimizer in self.optimizers:

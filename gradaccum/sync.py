@@ -145,16 +145,15 @@ class DDPSync(SyncStrategy):
         self._founds = [_ddp_found(ddp)]
         self._armed = ddp.require_backward_grad_sync
         self._holds = True
-        self._static = bool(getattr(ddp, "static_graph", False))
 
     def first_iteration(self) -> bool:
         """Whether a DDP held with ``static_graph=True`` has not run its first iteration,
         whose backward must all-reduce (torch's reducer asserts otherwise): until its
         first backward has queued DDP's delayed all-reduce."""
-        return self._static and not all(
-            getattr(ddp, "_static_graph_delay_allreduce_enqueued", False) is True
+        return any(
+            getattr(ddp, "static_graph", False)
+            and getattr(ddp, "_static_graph_delay_allreduce_enqueued", False) is not True
             for ddp in self._ddps
-            if getattr(ddp, "static_graph", False)
         )
 
     def _will_sync(self, sync: bool) -> bool:
@@ -479,7 +478,6 @@ class SeveralDDPSync(DDPSync):
     def __init__(self, ddps: Sequence[Any], *, defer: bool) -> None:
         super().__init__(ddps[0], defer=defer)
         self._ddps = tuple(ddps)
-        self._static = any(getattr(ddp, "static_graph", False) for ddp in ddps)
         self.forward_communicates = any(_broadcasts_buffers(ddp) for ddp in ddps)
         self._founds += [_ddp_found(ddp) for ddp in ddps[1:]]
 

@@ -130,16 +130,21 @@ def gradient_problem(
     )
 
 
+def _near(scale: float, factor: float) -> bool:
+    """A measured gradient ``scale`` is ``factor``, to the rounding of the gradients."""
+    return math.isclose(scale, factor, rel_tol=1e-3)
+
+
 def _items_hint(scale: float, length: int, world: int) -> str | None:
     """The mistake a gradient ``scale`` times the reference's points to, in item mode (a
     loss normalized by the window's items, as Hugging Face's ``num_items_in_batch``)."""
     hints = []
-    if length > 1 and math.isclose(scale, 1 / length, rel_tol=1e-3):
+    if length > 1 and _near(scale, 1 / length):
         hints.append(
             "is the loss divided by steps as well as by the window's items? A loss "
             "normalized by the window's item count is not divided by steps again"
         )
-    if world > 1 and math.isclose(scale, 1 / world, rel_tol=1e-3):
+    if world > 1 and _near(scale, 1 / world):
         hints.append(
             f"is the loss divided by every rank's items but not multiplied by the {world} "
             "ranks? DDP averages the ranks' gradients, so a loss normalized by the items of "
@@ -150,20 +155,16 @@ def _items_hint(scale: float, length: int, world: int) -> str | None:
 
 def _factor_hint(scale: float, length: int, steps: int, world: int) -> str | None:
     """The mistake a gradient ``scale`` times the reference's points to, in mean mode."""
-
-    def near(factor: float) -> bool:
-        return math.isclose(scale, factor, rel_tol=1e-3)
-
-    if length > 1 and near(length):
+    if length > 1 and _near(scale, length):
         return "is the loss divided by steps?"
-    if length < steps and near(length / steps):
+    if length < steps and _near(scale, length / steps):
         return (
             f"it is the trailing partial window, of {length} microbatch"
             f"{'es' * (length > 1)}; is its loss divided by steps={steps} instead of by {length}?"
         )
-    if length > 1 and near(1 / length):
+    if length > 1 and _near(scale, 1 / length):
         return "is the loss divided by steps twice?"
-    if world > 1 and near(world):
+    if world > 1 and _near(scale, world):
         return f"are the gradients summed over the {world} ranks instead of averaged?"
     return None
 
