@@ -11,6 +11,11 @@ What is measured:
       on every 4th microbatch the mode's boundary work, ``optimizer.step()``,
       ``scheduler.step()``, ``zero_grad(set_to_none=True)``; under DDP the flag
       ``require_backward_grad_sync`` set before each forward;
+    * ``same``: the hand loop back-propagating as gradaccum does, ``loss.backward(unit)``
+      with ``unit`` the ``1 / steps`` that ``(loss / steps).backward()`` sends into the
+      loss (made once): the same gradients bit for bit, without the division's forward
+      and backward ops and torch's ``ones_like``, so that gradaccum's own cost is read
+      like for like (with ``num_items``, where neither divides, it is the hand loop);
     * ``floor``: `benchmarks/floor.py`, a minimal accumulator with gradaccum's hot-path
       semantics (the loss scaled, the detached loss kept, windows counted, the DDP flag
       armed before the forward) and nothing else;
@@ -44,6 +49,9 @@ How it is measured:
 How to read it:
     ``ratio`` is gradaccum's instructions per microstep over the hand loop's; the target
     is at most 1.02 in every cell, and ``floor`` shows how low a library can go.
+    ``like`` is gradaccum's over the ``same`` loop's: what gradaccum's bookkeeping costs
+    beside a loop that back-propagates as it does (where ``ratio`` is lower, the
+    difference is the division the hand loop runs and gradaccum does not).
 
     ``--tensors 5000`` measures the boundary instead: a model of 5,000 parameter tensors
     (each 16 values), ``steps=1`` so that every microstep is a window, and the ratio is
@@ -78,7 +86,7 @@ HERE = Path(__file__).resolve().parent
 STEPS, BATCH, LR = 4, 32, 0.01
 MODES = ("plain", "clip", "items", "skip", "scaler")
 SETUPS = ("process", "ddp")
-LOOPS = ("hand", "floor", "gradaccum")
+LOOPS = ("hand", "same", "floor", "gradaccum")
 TARGET = 1.02
 TENSORS_TARGET = 1.003  # the boundary at --tensors N: at most 0.3% over the hand loop
 MARKERS = r"""
@@ -137,8 +145,12 @@ def build(width: int, mode: str, setup: str) -> tuple[nn.Module, Any, Any, Any]:
     return model, optimizer, scheduler, scaler
 
 
-def hand_block(parts: tuple[Any, ...], mode: str, batches: list[Any], steps: int) -> None:
+def hand_block(
+    parts: tuple[Any, ...], mode: str, batches: list[Any], steps: int, same: bool = False
+) -> None:
+    """The hand loop; ``same``: back-propagating with the loss's gradient made once."""
     model, optimizer, scheduler, scaler = parts
+    unit = torch.ones(()) / steps if same and mode != "items" and steps > 1 else None
     ddp = hasattr(model, "require_backward_grad_sync")
     params = [p for group in optimizer.param_groups for p in group["params"]]
     items = 0
@@ -146,7 +158,10 @@ def hand_block(parts: tuple[Any, ...], mode: str, batches: list[Any], steps: int
         boundary = index % steps == steps - 1
         if ddp:
             model.require_backward_grad_sync = boundary
-        if mode == "items":
+        if unit is not None:
+            loss = (model(x) - y).square().mean()
+            (loss if scaler is None else scaler.scale(loss)).backward(unit)
+        elif mode == "items":
             loss = (model(x) - y).square().sum()
             loss.backward()
             items += len(x)
@@ -250,8 +265,8 @@ def child(loop: str, width: int, mode: str, setup: str, microsteps: int, library
     parts = build(width, mode, setup)
     batches = make_batches(microsteps)
     guard = None
-    if loop == "hand":
-        run: Any = lambda data: hand_block(parts, mode, data, steps)  # noqa: E731
+    if loop in ("hand", "same"):
+        run: Any = lambda data: hand_block(parts, mode, data, steps, loop == "same")  # noqa: E731
     elif loop == "floor":
         sys.path.insert(0, str(HERE))
         from floor import Floor
@@ -355,8 +370,11 @@ def main() -> None:
             f"(1 with --tensors), {BATCH} rows; each count the median of {args.layouts} heap "
             "layouts, and the ratio's range over them"
         )
-        header = f"{'setup':8} {'width':>5} {'mode':7} {'hand':>10} {'floor':>10} {'gradaccum':>10}"
-        print(f"{header} {'floor/hand':>10} {'ratio':>7} {'range':>13}")
+        header = (
+            f"{'setup':8} {'width':>5} {'mode':7} {'hand':>10} {'same':>10} {'floor':>10} "
+            f"{'gradaccum':>10}"
+        )
+        print(f"{header} {'floor/hand':>10} {'ratio':>7} {'range':>13} {'like':>7} {'range':>13}")
         cells = (
             [("tensors", args.tensors, "plain")]
             if args.tensors
@@ -385,22 +403,26 @@ def main() -> None:
                 }
                 got = {loop: statistics.median(each[loop]) for loop in LOOPS}
                 ratio = got["gradaccum"] / got["hand"]
-                ratios = [
-                    ga / hand for ga, hand in zip(each["gradaccum"], each["hand"], strict=True)
-                ]
+                like = got["gradaccum"] / got["same"]
+                ratios, likes = (
+                    [ga / by for ga, by in zip(each["gradaccum"], each[loop], strict=True)]
+                    for loop in ("hand", "same")
+                )
                 rows.append(
                     {"setup": setup, "width": width, "mode": mode, **got, "ratio": ratio}
-                    | {"ratios": ratios, "layouts": each}
+                    | {"like": like, "ratios": ratios, "likes": likes, "layouts": each}
                 )
                 print(
-                    f"{setup:8} {width:>5} {mode:7} {got['hand']:>10,.0f} "
+                    f"{setup:8} {width:>5} {mode:7} {got['hand']:>10,.0f} {got['same']:>10,.0f} "
                     f"{got['floor']:>10,.0f} {got['gradaccum']:>10,.0f} "
                     f"{got['floor'] / got['hand']:>10.3f} {ratio:>7.4f} "
-                    f"{min(ratios):.4f}-{max(ratios):.4f}",
+                    f"{min(ratios):.4f}-{max(ratios):.4f} {like:>7.4f} "
+                    f"{min(likes):.4f}-{max(likes):.4f}",
                     flush=True,
                 )
     worst = max(row["ratio"] for row in rows)
     print(f"worst ratio {worst:.4f} (target {target}); every cell at or under: {worst <= target}")
+    print(f"worst like-for-like ratio {max(row['like'] for row in rows):.4f}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2), encoding="utf-8")
 

@@ -43,8 +43,9 @@ class Microstep:
     `Step` until it exits; ``idle`` is what every other microstep of the window reports.
     ``busy`` refuses a new ``microstep()`` (a loss waits for its block, a block is open, or
     the accumulator is closed or broken: ``stopped``); the other attributes are what the
-    hot path reads, decided when the accumulator takes a strategy (`use`), and what the
-    strategy was last armed with (``armed``).
+    hot path reads, decided when the accumulator takes a strategy (`use`), what the
+    strategy was last armed with (``armed``), and the gradient a mean-mode loss is
+    back-propagated with (``unit``, for the divisor ``unit_divisor``: `backward`).
     """
 
     __slots__ = (
@@ -63,6 +64,8 @@ class Microstep:
         "scaler",
         "step",
         "stopped",
+        "unit",
+        "unit_divisor",
         "watch",
         "window",
     )
@@ -79,6 +82,8 @@ class Microstep:
         self.num_items: int | torch.Tensor | None = None
         self.step: Step | None = None
         self.idle = Step(False, 0)
+        self.unit: torch.Tensor | None = None
+        self.unit_divisor = 0
 
     def stop(self) -> None:
         """The accumulator takes no more microsteps (closed, or broken)."""
@@ -164,6 +169,34 @@ class Microstep:
         if failed is not None:
             faults.add_note(error, f"gradaccum.RankFailedError: {failed}")
 
+    def backward(self, loss: torch.Tensor, divisor: int) -> None:
+        """Back-propagate a mean-mode ``loss / divisor`` (``divisor > 1``; through the
+        scaler) where the kept ``unit`` does not fit: make the one that does, where one can.
+
+        ``unit`` is the gradient that ``(loss / divisor).backward()`` sends into ``loss``:
+        ``1 / divisor``, computed by the same division in the loss's dtype on its device,
+        so that ``loss.backward(unit)`` gives the same gradients bit for bit, without the
+        division's two ops (its forward and its backward) and torch's ``ones_like`` on
+        every microstep; it is kept (one 0-dim tensor) until the divisor or the dtype
+        changes. It is made for a plain floating-point tensor (a subclass, such as a
+        DTensor, takes its own gradient, and a complex loss is refused by torch) and, with
+        a scaler, a divisor that is a power of two: the scaler's backward multiplies by
+        its scale, and ``scale * (1 / divisor)`` equals ``scale / divisor`` exactly only
+        then.
+        """
+        scaler = self.scaler
+        if (
+            type(loss) is torch.Tensor
+            and loss.dtype.is_floating_point
+            and (scaler is None or divisor & (divisor - 1) == 0)
+        ):
+            self.unit = unit = torch.ones((), dtype=loss.dtype, device=loss.device) / divisor
+            self.unit_divisor = divisor
+            (loss if scaler is None else scaler.scale(loss)).backward(unit)  # type: ignore[no-untyped-call]
+            return
+        scaled = loss / divisor
+        (scaled if scaler is None else scaler.scale(scaled)).backward()  # type: ignore[no-untyped-call]
+
     def __enter__(self) -> Step:
         loss = self.loss
         if loss is None:
@@ -192,11 +225,18 @@ class Microstep:
                 actual = self.acc._strategy.overridden()
                 if actual is not None:
                     _warn_overridden(self.acc, actual)
-            divisor = window.divisor
-            scaled = loss if num_items is not None or divisor == 1 else loss / divisor
-            if self.scaler is not None:
-                scaled = self.scaler.scale(scaled)
-            scaled.backward()  # type: ignore[no-untyped-call]  # torch leaves it untyped
+            divisor, scaler, unit = window.divisor, self.scaler, self.unit
+            if num_items is not None or divisor == 1:
+                (loss if scaler is None else scaler.scale(loss)).backward()  # type: ignore[no-untyped-call]
+            elif (
+                unit is not None
+                and self.unit_divisor == divisor
+                and unit.dtype is loss.dtype
+                and type(loss) is torch.Tensor
+            ):
+                (loss if scaler is None else scaler.scale(loss)).backward(unit)  # type: ignore[no-untyped-call]
+            else:
+                self.backward(loss, divisor)
             window.losses.append(loss.detach())  # the value only: the graph is freed now
             if num_items is not None:
                 window.items.append(num_items)

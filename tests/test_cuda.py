@@ -46,10 +46,10 @@ def _parts(model: nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.lr_sche
     return optimizer, scheduler
 
 
-def _accumulator(model: nn.Module, **options: Any) -> gradaccum.Accumulator:
+def _accumulator(model: nn.Module, steps: int = STEPS, **options: Any) -> gradaccum.Accumulator:
     optimizer, scheduler = _parts(model)
     return gradaccum.Accumulator(
-        model, optimizer, scheduler, steps=STEPS, max_grad_norm=MAX_GRAD_NORM, **options
+        model, optimizer, scheduler, steps=steps, max_grad_norm=MAX_GRAD_NORM, **options
     )
 
 
@@ -85,25 +85,33 @@ class _HandLoop:
 
     It keeps each window's detached losses until the window's step, as a loop that logs
     the window's loss does (gradaccum keeps them for `gradaccum.Step`), so that both
-    hold the same memory.
+    hold the same memory. A mean loss is back-propagated as ``(loss / steps).backward()``,
+    or with ``unit`` as gradaccum does it: ``loss.backward(unit)`` with the ``1 / steps``
+    that division sends into the loss, made once and kept (one 0-dim tensor).
     """
 
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
+    def __init__(self, model: nn.Module, steps: int = STEPS, unit: bool = False) -> None:
+        self.model, self.steps = model, steps
         self.optimizer, self.scheduler = _parts(model)
         self.params = list(model.parameters())
+        self.unit = torch.ones((), device=DEVICE) / steps if unit else None
 
     def run(self, batches: list[Batch]) -> None:
-        """Train on ``batches``, one optimizer step per `STEPS` of them."""
+        """Train on ``batches``, one optimizer step per ``steps`` of them."""
         losses: list[torch.Tensor] = []
         items: Any = 0
         for index, batch in enumerate(batches, start=1):
             loss = _loss(self.model, batch)
-            (loss / STEPS if batch[2] is None else loss).backward()  # type: ignore[no-untyped-call]
+            if batch[2] is not None:
+                loss.backward()  # type: ignore[no-untyped-call]
+            elif self.unit is not None:
+                loss.backward(self.unit)  # type: ignore[no-untyped-call]
+            else:
+                (loss / self.steps).backward()  # type: ignore[no-untyped-call]
             losses.append(loss.detach())
             if batch[2] is not None:
                 items = items + batch[2]
-            if index % STEPS:
+            if index % self.steps:
                 continue
             if batch[2] is not None:
                 # A tensor total's inverse in float64, then float32, as gradaccum scales.
@@ -126,14 +134,19 @@ def _sync_debug(mode: str) -> Iterator[None]:
         torch.cuda.set_sync_debug_mode("default")
 
 
+@pytest.mark.parametrize("steps", [STEPS, 3])
 @pytest.mark.parametrize("mode", MODES)
-def test_matches_the_float32_hand_loop(mode: str) -> None:
+def test_matches_the_float32_hand_loop(mode: str, steps: int) -> None:
     """Three windows with clipping and fused AdamW end in the hand loop's parameters, bit
-    for bit: the same kernels run on the same values in the same order."""
+    for bit: the same kernels run on the same values in the same order. A mean loss is
+    divided by ``steps`` by hand, and back-propagated with the ``1 / steps`` that division
+    sends into it by gradaccum: the same bits also at ``steps=3``, whose ``1 / 3`` is
+    rounded (CUDA divides by a CPU scalar as a multiply by its reciprocal, on both
+    sides)."""
     hand, ours = _model(), _model()
-    batches = _batches(3 * STEPS, mode)
-    _HandLoop(hand).run(batches)
-    acc = _accumulator(ours)
+    batches = _batches(3 * steps, mode)
+    _HandLoop(hand, steps).run(batches)
+    acc = _accumulator(ours, steps)
     _gradaccum(acc, batches)
     assert acc.global_step == 3
     for name, p in hand.named_parameters():
@@ -195,14 +208,16 @@ def test_a_finite_check_syncs_once_per_boundary() -> None:
 @pytest.mark.parametrize("mode", ["mean", "int"])
 def test_peak_memory_is_the_hand_loop_s(mode: str) -> None:
     """A window's peak of allocated memory is the hand loop's, to the byte: gradaccum
-    holds nothing on the GPU beyond what the loop holds (each window's losses).
+    holds nothing on the GPU beyond what the loop holds (each window's losses; in mean
+    mode the ``1 / steps`` gradient it back-propagates the loss with, which the hand loop
+    here keeps too, in place of dividing each loss: `_HandLoop`).
 
     The activations dominate (2 MiB each, all of one size, so that the allocator's
     cache hands out the same blocks on both sides whatever it holds).
     """
     hand, ours = _model(width=1024), _model(width=1024)
     batches = _batches(STEPS, mode, rows=512, vary=False)
-    loop, acc = _HandLoop(hand), _accumulator(ours)
+    loop, acc = _HandLoop(hand, unit=mode == "mean"), _accumulator(ours)
     runs = {"hand": lambda: loop.run(batches), "gradaccum": lambda: _gradaccum(acc, batches)}
     peaks: dict[str, list[int]] = {"hand": [], "gradaccum": []}
     starts: dict[str, list[int]] = {"hand": [], "gradaccum": []}

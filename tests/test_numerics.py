@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -330,3 +331,116 @@ def test_step_reports_the_windows_items_and_on_one_process_its_global_loss() -> 
             # Mean mode reports it only when asked, on one process as on several.
             assert step.global_loss is (step.loss if asked else None)
         acc.close()
+
+
+def hand_scaled_loop(model, optimizer, scaler, batches, steps: int) -> None:
+    """The hand loop as it is written: ``(loss / steps).backward()``, through the scaler."""
+    for index, batch in enumerate(batches):
+        scaled = mean_loss(model, batch) / steps
+        (scaled if scaler is None else scaler.scale(scaled)).backward()
+        if index % steps == steps - 1:
+            if scaler is None:
+                optimizer.step()
+            else:
+                scaler.step(optimizer)
+                scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("steps", [3, 4])
+@pytest.mark.parametrize(
+    ("dtype", "init_scale"),
+    [
+        (torch.float32, None),
+        (torch.float64, None),
+        (torch.bfloat16, None),
+        (torch.float32, 2.0**8),
+        (torch.float32, 1000.0),  # a scale that is not a power of two
+    ],
+)
+def test_mean_mode_is_bitwise_the_hand_loops_division(
+    steps: int, dtype: torch.dtype, init_scale: float | None
+) -> None:
+    """A mean-mode microstep back-propagates ``loss`` with the gradient ``1 / steps`` that
+    ``(loss / steps).backward()`` sends into it: the parameters and the optimizer's state
+    match that hand loop bit for bit, in each dtype, with and without a GradScaler, at a
+    ``steps`` that is a power of two and one that is not."""
+    batches = make_batches([3] * (steps * 3), dtype=dtype)
+    runs = []
+    for use_acc in (False, True):
+        model = make_model(dtype=dtype)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        scaler = None if init_scale is None else torch.amp.GradScaler("cpu", init_scale=init_scale)
+        if use_acc:
+            acc = gradaccum.Accumulator(model, optimizer, steps=steps, scaler=scaler)
+            for batch in acc.epoch(batches):
+                with acc.microstep(mean_loss(model, batch)):
+                    pass
+        else:
+            hand_scaled_loop(model, optimizer, scaler, batches, steps)
+        runs.append((model, optimizer))
+    (hand, hand_opt), (accumulated, acc_opt) = runs
+    for p, q in zip(hand.parameters(), accumulated.parameters(), strict=True):
+        assert torch.equal(p, q)
+        assert torch.equal(
+            hand_opt.state[p]["momentum_buffer"], acc_opt.state[q]["momentum_buffer"]
+        )
+
+
+def microstep_ops(acc: gradaccum.Accumulator, loss: torch.Tensor) -> list[str]:
+    """The aten ops that entering and leaving one microstep block runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops: list[str] = []
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Recorder(), acc.microstep(loss):
+        pass
+    return ops
+
+
+def test_a_microstep_runs_no_division_of_the_loss() -> None:
+    """Past a window's first microstep (which makes the ``1 / steps`` gradient, once), a
+    mean-mode microstep's backward runs no division and no ``ones_like``: the loss is
+    back-propagated with the kept gradient, not divided by ``steps`` on every microstep."""
+    batches = make_batches([3] * 8)
+    model = make_model()
+    acc = gradaccum.Accumulator(model, sgd(model), steps=4)
+    seen = [microstep_ops(acc, mean_loss(model, batch)) for batch in batches]
+    assert seen[0][:2] == ["ones", "div"]  # the kept gradient is made
+    for ops in seen[1:]:
+        # The hand loop's microstep runs div (the forward's), ones_like, div (its
+        # backward's) before the mean's backward; here the mean's backward comes first.
+        assert ops[:2] == ["expand", "div"]  # (the mean's: it divides by the rows)
+        assert "ones_like" not in ops
+        assert ops.count("div") == 1
+
+
+def test_a_loss_that_is_not_a_plain_real_tensor_is_divided_as_before() -> None:
+    """A complex loss is refused by torch's backward, as in the hand loop; a tensor
+    subclass's loss is divided by ``steps`` (its gradient is its own type)."""
+    model = make_model()
+    acc = gradaccum.Accumulator(model, sgd(model), steps=2)
+    loss = torch.complex(
+        mean_loss(model, make_batches([2])[0]), torch.tensor(0.0, dtype=torch.float64)
+    )
+    with pytest.raises(RuntimeError, match="real scalar outputs"), acc.microstep(loss):
+        pass
+
+    divided: list[str] = []
+
+    class Logged(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            divided.append(getattr(func, "__name__", ""))
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    for batch in make_batches([2, 2], seed=3):
+        with acc.microstep(mean_loss(model, batch).as_subclass(Logged)):
+            pass
+    assert divided.count("__truediv__") + divided.count("div") >= 2
+    assert acc.global_step == 1
