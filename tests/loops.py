@@ -158,16 +158,37 @@ def small_batches(rank: int) -> list[Batch]:
     return [(0.2 * x.float(), 0.2 * y.float()) for x, y in rank_batches(rank)]
 
 
+class AutocastInside(nn.Module):
+    """`make_model`'s layers in float32, its forward under ``torch.autocast`` to ``dtype``
+    entered inside ``forward``, a lower precision's output returned in float32: what
+    Accelerate's ``mixed_precision`` makes of a prepared model's forward."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.inner, self.dtype = make_model(dtype=torch.float32), dtype
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=self.dtype):
+            out = self.inner(inputs)
+        return out.float() if out.dtype in (torch.bfloat16, torch.float16) else out
+
+
 def nanogpt_check(
-    make_optimizer: Any = adamw, world: int = 1, tolerance: float | None = None, **options: Any
+    make_optimizer: Any = adamw,
+    world: int = 1,
+    tolerance: float | None = None,
+    inner_autocast: torch.dtype | None = None,
+    **options: Any,
 ) -> AccumulationReport:
     """`nanogpt_loop` (``options`` go to it) on a float32 model under DDP on ``world``
     ranks (the plain model on one), no scheduler given, clipped at 1, at ``tolerance``
-    (the check's default for None)."""
+    (the check's default for None); with ``inner_autocast``, on `AutocastInside`."""
     from torch.nn.parallel import DistributedDataParallel
 
     return check_accumulation(
-        functools.partial(make_model, dtype=torch.float32),
+        functools.partial(make_model, dtype=torch.float32)
+        if inner_autocast is None
+        else functools.partial(AutocastInside, inner_autocast),
         make_optimizer,
         functools.partial(nanogpt_loop, **options),
         [small_batches(rank) for rank in range(world)],

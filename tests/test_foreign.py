@@ -227,3 +227,69 @@ def test_accelerates_own_checkpoint_resumes_the_accumulator_mid_epoch(
 
     whole = run(load=False)
     assert all(torch.equal(p, q) for p, q in zip(run(load=True), whole, strict=True))
+
+
+def accelerate_bf16_loop(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    batches: list[Any],
+    *,
+    divide: bool = True,
+) -> None:
+    """Accelerate's own accumulation as its docs write it, with ``mixed_precision="bf16"``
+    (which puts an autocast inside the prepared model's ``forward``): ``accumulate()``,
+    ``accelerator.backward``, step and ``zero_grad`` every microbatch (Accelerate skips
+    them inside a window); not ``divide``: the loss multiplied back by the steps, the bug
+    of a loss not divided by them."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from tests.loops import STEPS
+
+    AcceleratorState._reset_state(True)  # (an Accelerator's precision is set once a process)
+    GradientState._reset_state()
+    accelerator = accelerate.Accelerator(
+        cpu=True, mixed_precision="bf16", gradient_accumulation_steps=STEPS
+    )
+    try:
+        model, optimizer = accelerator.prepare(model, optimizer)
+        for batch in batches:
+            with accelerator.accumulate(model):
+                loss = mean_loss(model, batch)
+                accelerator.backward(loss if divide else loss * STEPS)
+                optimizer.step()
+                optimizer.zero_grad()
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+
+def test_the_kit_checks_accelerates_mixed_precision_at_its_precision() -> None:
+    """The testing kit on a right Accelerate trainer with ``mixed_precision="bf16"``: its
+    autocast runs inside the model's forward, where the kit's forward pre-hook does not
+    see it, and float32's tolerance took bfloat16's rounding for a wrong loop ("off the
+    float64 big-batch reference"). The forwards' graph carries bfloat16: it passes at
+    bfloat16's tolerance, and the same trainer with its loss not divided is named."""
+    import functools
+
+    from gradaccum.testing import check_accumulation
+    from tests import loops
+
+    def check(divide: bool) -> Any:
+        return check_accumulation(
+            functools.partial(make_model, dtype=torch.float32),
+            loops.adamw,
+            functools.partial(accelerate_bf16_loop, divide=divide),
+            [loops.small_batches(0)],
+            mean_loss,
+            steps=loops.STEPS,
+        )
+
+    right = check(divide=True)
+    assert right.ok, right
+    assert (right.computed, right.tolerance) == ("bfloat16", 5e-2)
+    assert right.max_grad_diff > 1e-4  # bfloat16's rounding, which float32's tolerance failed
+    wrong = check(divide=False)
+    assert wrong.problems[0] == (
+        "the gradient of window 1 is 4.00x the reference's: is the loss divided by steps?"
+    )

@@ -137,6 +137,90 @@ def test_a_trainer_under_autocast_is_checked_at_that_precision() -> None:
     assert spot.startswith("the tolerance, 1e-04, is 25% of the largest gradient entry")
 
 
+def test_an_autocast_inside_the_models_forward_is_seen_in_its_graph() -> None:
+    """A model whose own ``forward`` enters bfloat16 autocast (as Accelerate's
+    ``mixed_precision`` patches a prepared model's): no autocast is on around its forward,
+    so the forward pre-hook saw none and float32's tolerance failed the right loop. Its
+    outputs' autograd graph carries bfloat16: the default tolerance is bfloat16's, the
+    report says where it comes from, and not dividing by steps still fails, named."""
+    right = loops.nanogpt_check(inner_autocast=torch.bfloat16)
+    assert right.ok, right
+    assert (right.autocast, right.computed, right.tolerance) == (None, "bfloat16", 5e-2)
+    assert right.max_grad_diff > 1e-4  # what float32's tolerance failed
+    assert "(tolerance 5e-02, the forwards computed in bfloat16)" in repr(right)
+    wrong = loops.nanogpt_check(inner_autocast=torch.bfloat16, divide=False)
+    assert wrong.problems[0] == (
+        "the gradient of window 1 is 4.00x the reference's: is the loss divided by steps?"
+    )
+    around = loops.nanogpt_check(autocast=torch.bfloat16)  # seen around: named so
+    assert (around.autocast, around.computed) == ("bfloat16", None)
+    plain = loops.nanogpt_check()
+    assert (plain.autocast, plain.computed, plain.tolerance) == (None, None, 1e-4)
+
+
+def test_graph_dtypes_reads_the_graph_without_unpacking_saved_tensors() -> None:
+    """`graph_dtypes` finds a lower precision in any nesting of the outputs, only below
+    the given dtype, and unpacks no saved tensor: under non-reentrant checkpointing (whose
+    unpack recomputes the forward) nothing is recomputed by looking."""
+    from torch.utils.checkpoint import checkpoint
+
+    from gradaccum.testing.observed import graph_dtypes
+
+    weight = torch.nn.Parameter(torch.randn(3, 3))
+    forwards = []
+
+    def low(inputs: torch.Tensor) -> torch.Tensor:
+        forwards.append(1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return (inputs @ weight).float()
+
+    out = low(torch.randn(2, 3))
+    assert graph_dtypes({"logits": [out], "n": 3}, below=torch.float32) == {torch.bfloat16}
+    assert graph_dtypes(out, below=torch.bfloat16) == set()
+    assert graph_dtypes(out.detach(), below=torch.float32) == set()
+    checkpointed = checkpoint(low, torch.randn(2, 3), use_reentrant=False)
+    assert len(forwards) == 2
+    assert graph_dtypes(checkpointed, below=torch.float32) == {torch.bfloat16}
+    assert len(forwards) == 2  # nothing recomputed
+    checkpointed.sum().backward()
+    assert len(forwards) == 3  # (the backward recomputes, once)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_factor_hidden_by_clipping_is_read_from_clip_grad_norms_eps(dtype: torch.dtype) -> None:
+    """nanoGPT's loop clipping at a norm every window's gradient exceeds: a loss not
+    divided by steps is clipped to the same norm as the right one, a hair apart (the 1e-6
+    ``clip_grad_norm_`` adds to the norm it divides by). In float64 that hair is above the
+    tolerance, and the report once said "1.00x the reference's", with no cause; it now
+    reads the factor back from it. In float32 the hair is under the tolerance: both loops
+    pass, and the blind spot says a factor is not seen."""
+
+    def run(divide: bool) -> Any:
+        return check_accumulation(
+            functools.partial(make_model, dtype=dtype),
+            loops.adamw,
+            functools.partial(loops.nanogpt_loop, divide=divide, grad_clip=0.05),
+            [[(x.to(dtype), y.to(dtype)) for x, y in loops.rank_batches(0)]],
+            mean_loss,
+            steps=loops.STEPS,
+            max_grad_norm=0.05,
+        )
+
+    right, wrong = run(divide=True), run(divide=False)
+    assert right.ok, right
+    hidden = [spot for spot in right.blind_spots if spot.startswith("every window's gradient")]
+    if dtype == torch.float64:
+        assert wrong.problems[0] == (
+            "the gradient of window 1 was 4.00x the reference's before clipping (both were "
+            "clipped to max_grad_norm=0.05, and only the 1e-6 that clip_grad_norm_ adds to "
+            "the norm tells them apart): is the loss divided by steps?"
+        )
+        assert hidden == []
+    else:
+        assert wrong.ok  # what the blind spot says
+        assert len(hidden) == 1
+
+
 def with_middle(middle: Any, argument: float) -> torch.nn.Module:
     """`make_model`'s layers with ``middle(argument)`` after the first."""
     torch.manual_seed(0)

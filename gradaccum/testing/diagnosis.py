@@ -83,6 +83,7 @@ def gradient_problem(
     items: bool,
     norm_only: bool,
     tolerance: float,
+    clipped: tuple[float, float] | None = None,
 ) -> str:
     """What the first window whose gradient is off the reference's shows.
 
@@ -98,11 +99,26 @@ def gradient_problem(
         items: Item mode (the loss a sum over the window's items).
         norm_only: ``got`` and ``want`` are norms.
         tolerance: The largest gap accepted.
+        clipped: The reference's norm before clipping and the ``max_grad_norm`` it was
+            clipped to, where this window's gradient was clipped (`unclipped_factor`).
     """
     noun = "gradient norm" if norm_only else "gradient"
     squared = float(want @ want)
     scale = float(got @ want) / squared if squared > 0 else math.nan
-    if math.isfinite(scale) and gap(got, scale * want) <= tolerance:
+    fits = math.isfinite(scale) and gap(got, scale * want) <= tolerance
+    factor = None if clipped is None or not fits else unclipped_factor(scale, clipped[0])
+    if factor is not None and clipped is not None:
+        why = (
+            _items_hint(factor, length, world)
+            if items
+            else _factor_hint(factor, length, steps, world)
+        )
+        return (
+            f"the {noun} of window {window} was {factor:.2f}x the reference's before "
+            f"clipping (both were clipped to max_grad_norm={clipped[1]:g}, and only the 1e-6 "
+            "that clip_grad_norm_ adds to the norm tells them apart)" + (f": {why}" if why else "")
+        )
+    if fits and not _near(scale, 1):
         if not got.any():
             hint: str | None = (
                 "the optimizer stepped with no gradient: is zero_grad() called before "
@@ -128,6 +144,23 @@ def gradient_problem(
         f"the {noun} of window {window} is off the float64 big-batch reference by "
         f"{gap(got, want):.1e} (tolerance {tolerance:.0e})"
     )
+
+
+def unclipped_factor(scale: float, norm: float) -> float | None:
+    """How many times the reference's a clipped gradient was before clipping, where it is
+    not 1: read from ``scale``, the clipped gradient over the reference's clipped one, and
+    ``norm``, the reference's before clipping. ``clip_grad_norm_`` multiplies by
+    ``max_norm / (norm + 1e-6)``, so a gradient ``k`` times the reference's comes out
+    ``k (norm + 1e-6) / (k norm + 1e-6)`` times the reference's clipped one, a hair from 1
+    (seen in float64), which gives ``k`` back. None where that is 1, or cannot be read."""
+    if not math.isfinite(scale) or not _near(scale, 1):
+        return None
+    below = _CLIP_EPS - (scale - 1) * norm
+    factor = scale * _CLIP_EPS / below if below > 0 else math.inf
+    return factor if math.isfinite(factor) and not _near(factor, 1) else None
+
+
+_CLIP_EPS = 1e-6  # what clip_grad_norm_ adds to the norm it divides by
 
 
 def _near(scale: float, factor: float) -> bool:
@@ -277,7 +310,10 @@ def blind_spots(
             f"max_grad_norm={max_norm:g}, so a loop that does not clip, or clips each "
             "microbatch, passes too: give a max_grad_norm below some windows' norms"
         )
-    elif max_norm is not None and least > max_norm:
+    elif max_norm is not None and least > max_norm and _CLIP_EPS * entry / (2 * least) <= tolerance:
+        # (A gradient twice the reference's comes out of clip_grad_norm_ about
+        # 1e-6 / (2 norm) of itself off the reference's clipped one: `unclipped_factor`
+        # reads the factor where that is above the tolerance, as in float64.)
         spots.append(
             f"every window's gradient norm (at least {least:.2g}) exceeded "
             f"max_grad_norm={max_norm:g}, so each was clipped to that norm, and a "

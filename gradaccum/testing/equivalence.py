@@ -143,6 +143,10 @@ class AccumulationReport:
         autocast: The dtype (``"bfloat16"``) of the ``torch.autocast`` the trainer's
             forwards ran under, where it is below the parameters' precision: the default
             tolerance is that dtype's. None otherwise.
+        computed: Where no such autocast was seen around the forwards, the dtype below
+            the parameters' precision that their autograd graph carries: an autocast
+            inside the model's ``forward`` (Accelerate's ``mixed_precision`` puts one
+            there) or a cast; the default tolerance is that dtype's. None otherwise.
     """
 
     steps: int
@@ -165,6 +169,7 @@ class AccumulationReport:
     learning_rates: list[list[float]] = field(default_factory=list)
     blind_spots: list[str] = field(default_factory=list)
     autocast: str | None = None
+    computed: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -187,6 +192,7 @@ class AccumulationReport:
         elif rates:
             lr = f" (lr in [{rates[0]}, {rates[-1]}])"
         amp = f", the forwards ran under autocast to {self.autocast}" if self.autocast else ""
+        amp = f", the forwards computed in {self.computed}" if self.computed else amp
         lines = [
             f"accumulation at steps={self.steps} on {self.world_size} "
             f"rank{'s' if self.world_size > 1 else ''} ({self.mode} mode): {verdict}",
@@ -288,8 +294,9 @@ def check_accumulation(
             checked anyway: its all-reduces must run in one backward a window.
         tolerance: The largest gap accepted, for gradients and parameters; by default
             1e-10 for a float64 model, 1e-4 for float32, 5e-2 below, and 5e-2 too where
-            the model's forwards ran under ``torch.autocast`` to a lower precision (seen
-            by a forward pre-hook on the model: an autocast inside its ``forward`` is not).
+            the model's forwards computed in a lower precision: under ``torch.autocast``
+            to it (seen by a forward pre-hook on the model), or in it by the autograd
+            graph of their outputs (an autocast inside ``forward``, or a cast).
         backend: The launched ranks' backend, ``"gloo"`` or ``"nccl"``.
 
     Returns:
@@ -548,6 +555,7 @@ class _Run:
     norms: tuple[float, float]  # the reference's least and largest gradient norms, unclipped
     largest: float  # the largest entry (or norm, with gradients == "norm") compared
     autocast: str | None  # the dtype of the autocast that set the precision, if one did
+    computed: str | None  # else the dtype in the forwards' graph that set it, if one did
     not_per_item: dict[str, str]  # the dropouts and batch norms active in its forwards
 
 
@@ -603,8 +611,12 @@ def _run(setup: _Setup, rank: int) -> _Run:
         for one in schedulers.values():
             del one.step  # its class's step again
     # The tolerance follows the lowest precision the trainer computes in: its parameters',
-    # or that of the autocast its forwards ran under.
-    lowest = max([dtype, *observed.autocast], key=lambda kind: torch.finfo(kind).eps)
+    # that of the autocast its forwards ran under, or one their graph carries.
+    lowest = max(
+        [dtype, *observed.autocast, *observed.computed], key=lambda kind: torch.finfo(kind).eps
+    )
+    precision = str(lowest).removeprefix("torch.")
+    autocast = precision if lowest in observed.autocast else None
     tolerance = setup.tolerance
     if tolerance is None:
         tolerance = _TOLERANCES.get(lowest, _LOW_PRECISION_TOLERANCE)
@@ -636,7 +648,8 @@ def _run(setup: _Setup, rank: int) -> _Run:
         ddp=isinstance(unwrap(wrapped), DistributedDataParallel),
         norms=_extremes([float(flat(window.raw).norm()) for window in windows]),
         largest=_largest(windows, observed.norm_only),
-        autocast=str(lowest).removeprefix("torch.") if lowest in observed.autocast else None,
+        autocast=autocast,
+        computed=precision if autocast is None and lowest in observed.computed else None,
         not_per_item=observed.not_per_item,
     )
 
@@ -687,6 +700,7 @@ def _compare_gradients(
                 accumulated = _clipped(
                     previous.values + want.raw_seen_as(got.positions), setup.max_grad_norm
                 )
+            norm, max_norm = float(flat(want.raw).norm()), setup.max_grad_norm
             text = gradient_problem(
                 index + 1,
                 got.values,
@@ -698,6 +712,7 @@ def _compare_gradients(
                 items=setup.num_items is not None,
                 norm_only=got.positions is None,
                 tolerance=tolerance,
+                clipped=(norm, max_norm) if max_norm is not None and norm > max_norm else None,
             )
             problem = (index + 1, text)
         previous = got
@@ -871,6 +886,7 @@ def _merge(setup: _Setup, runs: list[_Run]) -> AccumulationReport:
             scale=(first.tolerance, first.largest),
         ),
         autocast=first.autocast,
+        computed=first.computed,
     )
 
 

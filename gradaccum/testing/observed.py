@@ -1,7 +1,8 @@
 """What a trainer's optimizers held at each ``optimizer.step()``: the hyperparameters of
 every param group and the full (unsharded) gradient of their parameters, read by a step
 pre-hook, so that the reference can step as the trainer did and be compared with what
-each step saw; and the autocast its model's forwards ran under (a forward pre-hook)."""
+each step saw; and the precision its model's forwards computed in: the autocast they ran
+under (a forward pre-hook), or the dtypes their autograd graph carries (a forward hook)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,45 @@ def _fsdp1_grad_norm(model: nn.Module) -> float:
     return math.sqrt(total)
 
 
+_LOOKS = 3  # training forwards whose graph is looked at: a precision is the same in each
+_NODES = 100_000  # autograd nodes looked at in one graph, at most
+
+
+def graph_dtypes(output: object, below: torch.dtype) -> set[torch.dtype]:
+    """The floating-point dtypes of lower precision than ``below`` that the autograd graph
+    of ``output`` (a tensor, or tuples, lists and dicts of them) carries: the dtype of the
+    gradient each node takes, from its input metadata. No saved tensor is unpacked (an
+    unpack runs the hooks of activation checkpointing or offloading), so nothing is
+    computed; a graph compiled into one node shows only its ends, and a torch without
+    that metadata shows nothing."""
+    found: set[torch.dtype] = set()
+    stack: list[Any] = [tensor.grad_fn for tensor in _tensors(output)]
+    seen: set[Any] = set()  # (the nodes themselves: torch keeps one wrapper per live node)
+    while stack and len(seen) < _NODES:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for metadata in getattr(node, "_input_metadata", ()):
+            dtype = getattr(metadata, "dtype", None)
+            if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+                found.add(dtype)
+        stack.extend(following for following, _ in node.next_functions)
+    return {dtype for dtype in found if torch.finfo(dtype).eps > torch.finfo(below).eps}
+
+
+def _tensors(output: object) -> Iterator[torch.Tensor]:
+    """The tensors of ``output``: itself, or those in its tuples, lists and dict values."""
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif isinstance(output, (tuple, list)):
+        for item in output:
+            yield from _tensors(item)
+    elif isinstance(output, dict):
+        for item in output.values():
+            yield from _tensors(item)
+
+
 @dataclass
 class Gradient:
     """The gradient one window's optimizer steps saw, flat, in float64.
@@ -98,7 +138,11 @@ class Observed:
         norms: Under FSDP1, the whole gradient's norm at each step of the first optimizer.
         autocast: The dtypes the model's forwards ran under ``torch.autocast`` to (for
             its parameters' device type), as nanoGPT's ``with ctx:`` around the forward
-            and the loss runs them; an autocast inside ``forward`` itself is not seen.
+            and the loss runs them.
+        computed: The floating-point dtypes below the parameters' that the autograd
+            graph of the model's outputs carries, looked at in its first few training
+            forwards (`graph_dtypes`): an autocast inside ``forward`` itself, as
+            Accelerate's ``mixed_precision`` puts one there, or a cast.
         not_per_item: The modules that made a forward other than one big batch's, by
             name: a dropout with ``p > 0`` or a batch norm, in training mode.
     """
@@ -118,6 +162,11 @@ class Observed:
         self.grads: list[list[dict[int, torch.Tensor | None]]] = [[] for _ in optimizers]
         self.norms: list[float] = []
         self.autocast: set[torch.dtype] = set()
+        self.computed: set[torch.dtype] = set()
+        self._dtype = next(
+            (p.dtype for p in model.parameters() if p.is_floating_point()), torch.float64
+        )
+        self._looks = _LOOKS
         self.not_per_item: dict[str, str] = {}
         self._suspects = [
             (name, module)
@@ -137,6 +186,7 @@ class Observed:
             hook = optimizer.register_step_pre_hook(functools.partial(self._read, index))
             self._hooks.callback(hook.remove)
         self._hooks.callback(self._model.register_forward_pre_hook(self._forward).remove)
+        self._hooks.callback(self._model.register_forward_hook(self._forward_done).remove)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -150,6 +200,11 @@ class Observed:
             if module.training and p != 0:
                 kind = type(module).__name__
                 self.not_per_item.setdefault(name, kind if p is None else f"{kind}(p={p})")
+
+    def _forward_done(self, _: nn.Module, __: object, output: object) -> None:
+        if self._looks and torch.is_grad_enabled():
+            self._looks -= 1
+            self.computed |= graph_dtypes(output, below=self._dtype)
 
     def _read(self, index: int, optimizer: torch.optim.Optimizer, *_: object) -> None:
         with self._counter.paused():  # reading and gathering is not training
