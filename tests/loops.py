@@ -269,6 +269,31 @@ def two_optimizer_check(
     )
 
 
+def epoch_spanning_loop(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    batches: Sequence[Batch],
+    *,
+    count_on: bool = True,
+) -> None:
+    """A loop of its own that back-propagates every microbatch of the epoch and steps on
+    every ``steps``-th: counted by a microbatch count that runs on across epochs (kept on
+    the optimizer, as a trainer's ``global_step``), so that windows span epochs; or, not
+    ``count_on``, counted by the epoch's ``enumerate``, with the epoch's trailing
+    microbatches' gradient never cleared (both bugs: the next epoch's first window adds
+    it)."""
+    counted = optimizer.__dict__.setdefault("microbatches_seen", [0])
+    for index, batch in enumerate(batches):
+        (mean_loss(model, batch) / STEPS).backward()
+        counted[0] += 1
+        if (counted[0] if count_on else index + 1) % STEPS == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+            if scheduler is not None:
+                scheduler.step()
+
+
 def metrics_loop(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,

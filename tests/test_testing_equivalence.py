@@ -221,6 +221,35 @@ def test_a_factor_hidden_by_clipping_is_read_from_clip_grad_norms_eps(dtype: tor
         assert len(hidden) == 1
 
 
+@pytest.mark.parametrize("count_on", [True, False], ids=["count_runs_on", "never_cleared"])
+def test_a_gradient_carried_into_the_next_epoch_is_named(count_on: bool) -> None:
+    """An epoch of 13 microbatches at steps=4 drops its last one. A loop whose microbatch
+    count runs on across epochs, or that leaves that microbatch's gradient uncleared,
+    adds it to the next epoch's first window: over two epochs that window is off, and
+    the report says why (it gave no cause before). Over one epoch nothing is off, and a
+    blind spot says that the gradient the loop left is not followed; a loop that leaves
+    none (gradaccum's; the hand loop, which back-propagates whole windows only) gets no
+    such spot."""
+    loop = functools.partial(loops.epoch_spanning_loop, count_on=count_on)
+    two = loops.check(loop, epochs=2)
+    assert two.problems[0].startswith("the gradient of window 4 is off the float64")
+    assert two.problems[0].endswith(
+        ": it is the first window of an epoch, after the 1 microbatch that drop_last dropped "
+        "at the previous epoch's end; is its gradient left in it (no zero_grad() at the "
+        "epoch's end), or does the loop's microbatch count run on across epochs, so that "
+        "windows span them?"
+    )
+    one = loops.check(loop)
+    assert one.ok, one
+    carried = [spot for spot in one.blind_spots if spot.startswith("one epoch, whose last 1")]
+    assert len(carried) == 1
+    assert carried[0].endswith("is not seen: give epochs=2")
+    for right in (loops.accumulator_loop, loops.hand_loop):
+        report = loops.check(right)
+        assert report.ok, report
+        assert not any(spot.startswith("one epoch") for spot in report.blind_spots)
+
+
 def with_middle(middle: Any, argument: float) -> torch.nn.Module:
     """`make_model`'s layers with ``middle(argument)`` after the first."""
     torch.manual_seed(0)
@@ -473,7 +502,9 @@ def test_wrong_loops_fail_with_the_likely_mistake(
     assert len(report.problems) == len(problems), report
     for problem, start in zip(report.problems, problems, strict=True):
         assert problem.startswith(start), report
-    assert repr(report).splitlines()[1:-2] == [f"  {problem}" for problem in report.problems]
+    shown = repr(report).splitlines()
+    assert shown[1 : 1 + len(problems)] == [f"  {problem}" for problem in report.problems]
+    assert shown[1 + len(problems)].startswith("  optimizer")  # then the figures
 
 
 def sgd_by_hand_loop(model: Any, optimizer: Any, scheduler: Any, batches: Any) -> None:

@@ -84,6 +84,7 @@ def gradient_problem(
     norm_only: bool,
     tolerance: float,
     clipped: tuple[float, float] | None = None,
+    dropped_before: int = 0,
 ) -> str:
     """What the first window whose gradient is off the reference's shows.
 
@@ -101,6 +102,8 @@ def gradient_problem(
         tolerance: The largest gap accepted.
         clipped: The reference's norm before clipping and the ``max_grad_norm`` it was
             clipped to, where this window's gradient was clipped (`unclipped_factor`).
+        dropped_before: The microbatches the previous epoch dropped at its end, where
+            this is the first window of an epoch after the first (else 0).
     """
     noun = "gradient norm" if norm_only else "gradient"
     squared = float(want @ want)
@@ -140,9 +143,18 @@ def gradient_problem(
             f"the gradient of window {window} is the reference's plus window {window - 1}'s: "
             "is zero_grad() called after every optimizer.step()?"
         )
+    carried = ""
+    if dropped_before:
+        carried = (
+            f": it is the first window of an epoch, after the {dropped_before} "
+            f"microbatch{'es' * (dropped_before > 1)} that drop_last dropped at the previous "
+            f"epoch's end; is {'their' if dropped_before > 1 else 'its'} gradient left in it "
+            "(no zero_grad() at the epoch's end), or "
+            "does the loop's microbatch count run on across epochs, so that windows span them?"
+        )
     return (
         f"the {noun} of window {window} is off the float64 big-batch reference by "
-        f"{gap(got, want):.1e} (tolerance {tolerance:.0e})"
+        f"{gap(got, want):.1e} (tolerance {tolerance:.0e}){carried}"
     )
 
 
@@ -286,13 +298,17 @@ def blind_spots(
     items: list[list[int]] | None,
     clip: tuple[float | None, float, float] = (None, 0.0, 0.0),
     scale: tuple[float, float] = (0.0, 0.0),
+    epochs: int = 1,
+    drop_last: bool = True,
+    left_over: bool = False,
 ) -> list[str]:
     """The mistakes that these batches cannot show, because on them a loop making it
     trains exactly as the right one: ``windows`` (every epoch's, `expected_windows`), of
-    an epoch of ``n_batches`` microbatches, with ``items`` each rank's item counts in item
-    mode, ``clip`` the clipping asked for and the least and largest window gradient
-    norms it met (before clipping), and ``scale`` the tolerance and the largest value
-    it was compared with (a reference gradient's entry)."""
+    ``epochs`` epochs of ``n_batches`` microbatches, with ``items`` each rank's item counts
+    in item mode, ``clip`` the clipping asked for and the least and largest window
+    gradient norms it met (before clipping), ``scale`` the tolerance and the largest value
+    it was compared with (a reference gradient's entry), ``drop_last`` as checked, and
+    ``left_over``: the trainer left a gradient in the parameters when it returned."""
     spots = []
     tolerance, entry = scale
     if entry > 0 and tolerance >= entry / 4:
@@ -325,6 +341,14 @@ def blind_spots(
             f"the epoch's {n_batches} microbatches fill its windows of steps={steps}, so "
             "what the loop does with a trailing partial window is not seen: give an epoch "
             "whose length steps does not divide"
+        )
+    dropped = n_batches % steps if drop_last else 0
+    if epochs == 1 and dropped and left_over:
+        spots.append(
+            f"one epoch, whose last {dropped} microbatch{'es' * (dropped > 1)} (dropped by "
+            "drop_last) left a gradient in the parameters when the loop returned: whether "
+            "the next epoch's first window adds it (no zero_grad() at the epoch's end, or a "
+            "microbatch count that runs on across epochs) is not seen: give epochs=2"
         )
     if len(windows) < 2:
         spots.append(

@@ -508,6 +508,14 @@ class _Setup:
         epoch = expected_windows(len(self.batches[0]), self.steps, self.drop_last)
         return epoch * self.epochs
 
+    def dropped_before(self, window: int) -> int:
+        """The microbatches the previous epoch dropped, where ``window`` (from 1) is the
+        first window of an epoch after the first; else 0."""
+        n = len(self.batches[0])
+        per_epoch = len(expected_windows(n, self.steps, self.drop_last))
+        first = window > 1 and (window - 1) % per_epoch == 0
+        return n % self.steps if first and self.drop_last else 0
+
     def window_lengths(self) -> list[int]:
         """The microbatches of each window of every epoch, in order."""
         return [len(window) for window in self.windows()]
@@ -557,6 +565,7 @@ class _Run:
     autocast: str | None  # the dtype of the autocast that set the precision, if one did
     computed: str | None  # else the dtype in the forwards' graph that set it, if one did
     not_per_item: dict[str, str]  # the dropouts and batch norms active in its forwards
+    left_over: bool  # a gradient was left in the parameters when the trainer returned
 
 
 def _run_on_rank(rank: int, world: int, setup: _Setup) -> _Run:
@@ -651,7 +660,19 @@ def _run(setup: _Setup, rank: int) -> _Run:
         autocast=autocast,
         computed=precision if autocast is None and lowest in observed.computed else None,
         not_per_item=observed.not_per_item,
+        left_over=_left_over(wrapped),
     )
+
+
+def _left_over(model: nn.Module) -> bool:
+    """A nonzero gradient is left in this rank's part of the parameters (no collective)."""
+    for param in model.parameters():
+        grad = param.grad
+        if grad is not None:
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            if bool(local.any()):
+                return True
+    return False
 
 
 def _largest(windows: list[_Window], norm_only: bool) -> float:
@@ -687,6 +708,7 @@ def _compare_gradients(
     worst, where, problem = 0.0, None, None
     shapes = [grad.shape for grad in windows[0].grad] if windows else []
     lengths = setup.window_lengths()
+    extra = max(observed.steps(), default=0) > len(lengths)  # more steps than windows
     previous: Gradient | None = None
     for index, (got, want) in enumerate(
         zip(observed.window_gradients(shapes), windows, strict=False)
@@ -713,6 +735,8 @@ def _compare_gradients(
                 norm_only=got.positions is None,
                 tolerance=tolerance,
                 clipped=(norm, max_norm) if max_norm is not None and norm > max_norm else None,
+                # (A loop that stepped the dropped microbatches is named by its step count.)
+                dropped_before=0 if extra else setup.dropped_before(index + 1),
             )
             problem = (index + 1, text)
         previous = got
@@ -884,6 +908,9 @@ def _merge(setup: _Setup, runs: list[_Run]) -> AccumulationReport:
             items=setup.item_counts(),
             clip=(setup.max_grad_norm, *first.norms),
             scale=(first.tolerance, first.largest),
+            epochs=setup.epochs,
+            drop_last=setup.drop_last,
+            left_over=first.left_over,
         ),
         autocast=first.autocast,
         computed=first.computed,
