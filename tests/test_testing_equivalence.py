@@ -5,6 +5,7 @@ refused before any training (2-rank checks: test_testing_distributed.py)."""
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 import gradaccum
 from gradaccum.testing import check_accumulation, expected_windows
 from gradaccum.testing.counting import KINDS, in_words
-from gradaccum.testing.diagnosis import blind_spots
+from gradaccum.testing.diagnosis import blind_spots, unclipped_factor
 from tests import loops
 from tests.helpers import make_batches, make_model, mean_loss, sum_loss
 
@@ -248,6 +249,21 @@ def test_a_gradient_carried_into_the_next_epoch_is_named(count_on: bool) -> None
         report = loops.check(right)
         assert report.ok, report
         assert not any(spot.startswith("one epoch") for spot in report.blind_spots)
+
+
+@pytest.mark.parametrize("factor", [0.5, 2.0, 4.0, 8.0])
+def test_unclipped_factor_inverts_clip_grad_norms_eps(factor: float) -> None:
+    """A gradient ``factor`` times the reference's, both clipped by ``clip_grad_norm_``
+    (``max_norm / (norm + 1e-6)``), comes out ``factor (n + 1e-6) / (factor n + 1e-6)``
+    times the reference's clipped one; `unclipped_factor` gives ``factor`` back from it,
+    and nothing for a scale of 1 or one too far from 1 to come from clipping."""
+    norm = 3.0
+    scale = factor * (norm + 1e-6) / (factor * norm + 1e-6)
+    found = unclipped_factor(scale, norm)
+    assert found is not None
+    assert math.isclose(found, factor, rel_tol=1e-6)
+    assert unclipped_factor(1.0, norm) is None
+    assert unclipped_factor(1.01, norm) is None
 
 
 def with_middle(middle: Any, argument: float) -> torch.nn.Module:

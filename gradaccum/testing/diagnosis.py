@@ -20,8 +20,11 @@ __all__ = [
     "gradient_problem",
     "not_per_item_problem",
     "step_problem",
+    "unclipped_factor",
     "worse",
 ]
+
+_CLIP_EPS = 1e-6  # what clip_grad_norm_ adds to the norm it divides by
 
 
 def gap(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -149,8 +152,8 @@ def gradient_problem(
             f": it is the first window of an epoch, after the {dropped_before} "
             f"microbatch{'es' * (dropped_before > 1)} that drop_last dropped at the previous "
             f"epoch's end; is {'their' if dropped_before > 1 else 'its'} gradient left in it "
-            "(no zero_grad() at the epoch's end), or "
-            "does the loop's microbatch count run on across epochs, so that windows span them?"
+            "(no zero_grad() at the epoch's end), or does the loop's microbatch count run on "
+            "across epochs, so that windows span them?"
         )
     return (
         f"the {noun} of window {window} is off the float64 big-batch reference by "
@@ -170,9 +173,6 @@ def unclipped_factor(scale: float, norm: float) -> float | None:
     below = _CLIP_EPS - (scale - 1) * norm
     factor = scale * _CLIP_EPS / below if below > 0 else math.inf
     return factor if math.isfinite(factor) and not _near(factor, 1) else None
-
-
-_CLIP_EPS = 1e-6  # what clip_grad_norm_ adds to the norm it divides by
 
 
 def _near(scale: float, factor: float) -> bool:
