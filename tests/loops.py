@@ -269,6 +269,24 @@ def two_optimizer_check(
     )
 
 
+def zero_every_microstep_loop(
+    model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, batches: Sequence[Batch]
+) -> None:
+    """A plain loop turned into an accumulating one (``no_sync()`` off the boundary under
+    DDP) with its ``zero_grad()`` left at the top of the body: each backward clears the
+    window's gradient so far."""
+    no_sync = getattr(model, "no_sync", contextlib.nullcontext)
+    for index, batch in enumerate(batches[: len(batches) // STEPS * STEPS]):
+        optimizer.zero_grad()
+        boundary = (index + 1) % STEPS == 0
+        with contextlib.nullcontext() if boundary else no_sync():
+            (mean_loss(model, batch) / STEPS).backward()
+        if boundary:
+            optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+
+
 def epoch_spanning_loop(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -479,6 +497,7 @@ def checks(rank: int, world: int) -> dict[str, Any]:
         "nanogpt_unscaled": nanogpt_check(world=world, divide=False),
         "nanogpt_autocast": nanogpt_check(world=world, autocast=torch.bfloat16),
         "dropout": check(hand_loop, make_model=with_dropout, **ddp),
+        "zero_every_microstep": check(zero_every_microstep_loop, **ddp),
         "nanogpt_unscaled_sgd": nanogpt_check(sgd, world, divide=False),
         "two_optimizers": two_optimizer_check(world),
         "two_optimizers_unscaled": two_optimizer_check(world, divide=False),

@@ -54,6 +54,18 @@ def test_exact_loops_pass_on_every_rank_alike(name: str, per_window: dict[str, i
     assert repr(reports[0]) == repr(reports[1])  # every rank reports the whole job
 
 
+def test_a_zero_grad_inside_the_window_is_named_on_every_rank() -> None:
+    """Under DDP on 2 ranks, a loop that clears the gradient before every backward steps
+    with the ranks' last microbatches' gradient alone, averaged: named as that on every
+    rank (the reference's "last microbatch alone" is every rank's last, as DDP averages)."""
+    for report in checked("zero_every_microstep"):
+        assert report.problems[0] == (
+            "the gradient of window 1 is its last microbatch's alone (scaled): is "
+            "zero_grad() called before every backward, inside the window? Clear the "
+            "gradient once a window, after its optimizer.step()"
+        )
+
+
 def test_the_forward_outside_no_sync_is_caught_by_the_count() -> None:
     """The bug this library was born from: the gradients are exact, so only the count of
     all-reduces per window fails the check, with a message that says so."""

@@ -431,6 +431,15 @@ PARAMETERS = "parameters off the float64 big-batch reference by"
             ],
         ),
         (
+            loops.zero_every_microstep_loop,
+            {},
+            [
+                "the gradient of window 1 is its last microbatch's alone (scaled): is "
+                "zero_grad() called before every backward, inside the window? Clear the "
+                "gradient once a window, after its optimizer.step()"
+            ],
+        ),
+        (
             zero_before_step_loop,
             {},
             [
@@ -495,6 +504,7 @@ PARAMETERS = "parameters off the float64 big-batch reference by"
         "divided_twice",
         "partial_window_by_steps",
         "no_zero_grad",
+        "zero_every_microstep",
         "zero_before_step",
         "remainder_stepped",
         "last_window_never_stepped",

@@ -80,6 +80,7 @@ def gradient_problem(
     want: torch.Tensor,
     accumulated: torch.Tensor | None,
     *,
+    last: torch.Tensor | None = None,
     length: int,
     steps: int,
     world: int,
@@ -97,6 +98,9 @@ def gradient_problem(
         want: The reference's, clipped as the trainer's was.
         accumulated: What a trainer that never zeroed the gradient would have seen: the
             previous window's gradient plus this one's (clipped), or None.
+        last: The gradient of the window's last microbatches alone (a window of more than
+            one), or None: a trainer that clears the gradient before every backward
+            steps with a multiple of it.
         length: The window's microbatches.
         steps: Microbatches per full window.
         world: Ranks.
@@ -146,6 +150,12 @@ def gradient_problem(
             f"the gradient of window {window} is the reference's plus window {window - 1}'s: "
             "is zero_grad() called after every optimizer.step()?"
         )
+    if last is not None and _multiple(got, last, tolerance):
+        return (
+            f"the gradient of window {window} is its last microbatch's alone (scaled): is "
+            "zero_grad() called before every backward, inside the window? Clear the "
+            "gradient once a window, after its optimizer.step()"
+        )
     carried = ""
     if dropped_before:
         carried = (
@@ -159,6 +169,13 @@ def gradient_problem(
         f"the {noun} of window {window} is off the float64 big-batch reference by "
         f"{gap(got, want):.1e} (tolerance {tolerance:.0e}){carried}"
     )
+
+
+def _multiple(got: torch.Tensor, want: torch.Tensor, tolerance: float) -> bool:
+    """``got`` is a positive multiple of ``want``, to ``tolerance`` (clipping keeps that)."""
+    squared = float(want @ want)
+    scale = float(got @ want) / squared if squared > 0 else math.nan
+    return math.isfinite(scale) and scale > 0 and gap(got, scale * want) <= tolerance
 
 
 def unclipped_factor(scale: float, norm: float) -> float | None:
@@ -308,7 +325,8 @@ def blind_spots(
     in item mode, ``clip`` the clipping asked for and the least and largest window
     gradient norms it met (before clipping), ``scale`` the tolerance and the largest value
     it was compared with (a reference gradient's entry), ``drop_last`` as checked, and
-    ``left_over``: the trainer left a gradient in the parameters when it returned."""
+    ``left_over``: forwards after the trainer's last optimizer step left a gradient in
+    the parameters when it returned."""
     spots = []
     tolerance, entry = scale
     if entry > 0 and tolerance >= entry / 4:

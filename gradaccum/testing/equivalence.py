@@ -565,7 +565,7 @@ class _Run:
     autocast: str | None  # the dtype of the autocast that set the precision, if one did
     computed: str | None  # else the dtype in the forwards' graph that set it, if one did
     not_per_item: dict[str, str]  # the dropouts and batch norms active in its forwards
-    left_over: bool  # a gradient was left in the parameters when the trainer returned
+    left_over: bool  # forwards after the last step left a gradient in the parameters
 
 
 def _run_on_rank(rank: int, world: int, setup: _Setup) -> _Run:
@@ -636,7 +636,12 @@ def _run(setup: _Setup, rank: int) -> _Run:
             if worse(candidate := gap(mine, theirs), worst):
                 worst, where = candidate, index + 1
     grad_diff, grad_window, grad_problem = _compare_gradients(
-        setup, observed, windows, tolerance, len(setup.batches)
+        setup,
+        observed,
+        windows,
+        tolerance,
+        len(setup.batches),
+        lambda index: reference.last_alone(index, windows[index - 1].params if index else start),
     )
     several = len(optimizers) > 1
     return _Run(
@@ -660,7 +665,7 @@ def _run(setup: _Setup, rank: int) -> _Run:
         autocast=autocast,
         computed=precision if autocast is None and lowest in observed.computed else None,
         not_per_item=observed.not_per_item,
-        left_over=_left_over(wrapped),
+        left_over=observed.forwards_after > 0 and _left_over(wrapped),
     )
 
 
@@ -701,10 +706,16 @@ def _counted(step: Callable[..., Any], counts: dict[str, int], name: str) -> Cal
 
 
 def _compare_gradients(
-    setup: _Setup, observed: Observed, windows: list[_Window], tolerance: float, world: int
+    setup: _Setup,
+    observed: Observed,
+    windows: list[_Window],
+    tolerance: float,
+    world: int,
+    last_alone: Callable[[int], list[torch.Tensor]],
 ) -> tuple[float, int | None, tuple[int, str] | None]:
     """The largest gap between each window's gradient and the reference's, its window,
-    and what the first window off the reference shows."""
+    and what the first window off the reference shows (``last_alone(index)``: the
+    gradient of that window's last microbatches alone, `_Reference.last_alone`)."""
     worst, where, problem = 0.0, None, None
     shapes = [grad.shape for grad in windows[0].grad] if windows else []
     lengths = setup.window_lengths()
@@ -723,11 +734,16 @@ def _compare_gradients(
                     previous.values + want.raw_seen_as(got.positions), setup.max_grad_norm
                 )
             norm, max_norm = float(flat(want.raw).norm()), setup.max_grad_norm
+            last = None  # the window's last microbatches alone, where it has more than one
+            if got.positions is not None and lengths[index] > 1:
+                alone = last_alone(index)
+                last = flat([alone[i] for i in got.positions])
             text = gradient_problem(
                 index + 1,
                 got.values,
                 expected,
                 accumulated,
+                last=last,
                 length=lengths[index],
                 steps=setup.steps,
                 world=world,
@@ -788,13 +804,29 @@ class _Reference:
         with torch.no_grad():
             for param, value in zip(params, start, strict=True):
                 param.copy_(value)
+        self.data = [[_to64(batch) for batch in mine] for mine in setup.batches]
+
+    def last_alone(self, index: int, at: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The gradient, at the parameters ``at``, of window ``index``'s (from 0) last
+        microbatch on every rank alone, as the window's loss weighs it: what a loop that
+        clears the gradient before every backward steps with (up to a factor). Leaves the
+        model at ``at``; read after `windows`."""
+        params = list(self.model.parameters())
+        with torch.no_grad():
+            for param, value in zip(params, at, strict=True):
+                param.copy_(value)
+        self.model.zero_grad(set_to_none=True)
+        last = self.setup.windows()[index][-1]
+        micro = [mine[last] for mine in self.data]
+        _window_loss(self.model, self.setup.loss, micro, self.setup.num_items).backward()  # type: ignore[no-untyped-call]
+        return [_grad_of(param) for param in params]
 
     def windows(self, hyperparameters: list[list[Any]]) -> Iterator[_Window]:
         """The reference after each window, every epoch, each optimizer stepped at the
         hyperparameters the trainer's held at its step of that window (its own
         ``make_optimizer``'s, where the trainer's made fewer steps)."""
         setup = self.setup
-        data = [[_to64(batch) for batch in mine] for mine in setup.batches]
+        data = self.data
         _, optimizers = setup.optimizers(self.model.parameters())
         params = list(self.model.parameters())
         for step, window in enumerate(setup.windows()):

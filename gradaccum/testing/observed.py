@@ -145,6 +145,8 @@ class Observed:
             Accelerate's ``mixed_precision`` puts one there, or a cast.
         not_per_item: The modules that made a forward other than one big batch's, by
             name: a dropout with ``p > 0`` or a batch norm, in training mode.
+        forwards_after: The model's forwards under grad mode since the last optimizer step
+            (all of them, before the first).
     """
 
     def __init__(
@@ -167,6 +169,7 @@ class Observed:
             (p.dtype for p in model.parameters() if p.is_floating_point()), torch.float64
         )
         self._looks = _LOOKS
+        self.forwards_after = 0
         self.not_per_item: dict[str, str] = {}
         self._suspects = [
             (name, module)
@@ -193,6 +196,8 @@ class Observed:
         self._hooks.close()
 
     def _forward(self, *_: object) -> None:
+        if torch.is_grad_enabled():  # (a training forward, not an evaluation's)
+            self.forwards_after += 1
         if torch.is_autocast_enabled(self._device):
             self.autocast.add(torch.get_autocast_dtype(self._device))
         for name, module in self._suspects:
@@ -207,6 +212,7 @@ class Observed:
             self.computed |= graph_dtypes(output, below=self._dtype)
 
     def _read(self, index: int, optimizer: torch.optim.Optimizer, *_: object) -> None:
+        self.forwards_after = 0
         with self._counter.paused():  # reading and gathering is not training
             self.hyperparameters[index].append(
                 [
