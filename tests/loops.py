@@ -287,6 +287,21 @@ def zero_every_microstep_loop(
                 scheduler.step()
 
 
+def clip_every_microstep_loop(
+    model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, batches: Sequence[Batch]
+) -> None:
+    """A loop that clips right after every backward, inside the window (at 0.5), instead
+    of once before the window's step: the partial sums are clipped."""
+    for index, batch in enumerate(batches[: len(batches) // STEPS * STEPS]):
+        (mean_loss(model, batch) / STEPS).backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        if (index + 1) % STEPS == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+            if scheduler is not None:
+                scheduler.step()
+
+
 def epoch_spanning_loop(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,

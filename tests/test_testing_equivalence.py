@@ -431,6 +431,16 @@ PARAMETERS = "parameters off the float64 big-batch reference by"
             ],
         ),
         (
+            loops.clip_every_microstep_loop,
+            {"max_grad_norm": 0.5},
+            [
+                "the gradient of window 1 is what clipping after every backward gives (the "
+                "window's partial sums clipped each microbatch): is clip_grad_norm_ called "
+                "inside the window? Clip once, after the window's last backward (or pass "
+                "max_grad_norm= to the Accumulator)"
+            ],
+        ),
+        (
             loops.zero_every_microstep_loop,
             {},
             [
@@ -504,6 +514,7 @@ PARAMETERS = "parameters off the float64 big-batch reference by"
         "divided_twice",
         "partial_window_by_steps",
         "no_zero_grad",
+        "clip_every_microstep",
         "zero_every_microstep",
         "zero_before_step",
         "remainder_stepped",

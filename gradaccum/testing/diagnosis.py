@@ -81,6 +81,7 @@ def gradient_problem(
     accumulated: torch.Tensor | None,
     *,
     last: torch.Tensor | None = None,
+    clipped_each: torch.Tensor | None = None,
     length: int,
     steps: int,
     world: int,
@@ -101,6 +102,7 @@ def gradient_problem(
         last: The gradient of the window's last microbatches alone (a window of more than
             one), or None: a trainer that clears the gradient before every backward
             steps with a multiple of it.
+        clipped_each: What a trainer that clips after every backward steps with, or None.
         length: The window's microbatches.
         steps: Microbatches per full window.
         world: Ranks.
@@ -149,6 +151,13 @@ def gradient_problem(
         return (
             f"the gradient of window {window} is the reference's plus window {window - 1}'s: "
             "is zero_grad() called after every optimizer.step()?"
+        )
+    if clipped_each is not None and gap(got, clipped_each) <= tolerance:
+        return (
+            f"the gradient of window {window} is what clipping after every backward gives "
+            "(the window's partial sums clipped each microbatch): is clip_grad_norm_ called "
+            "inside the window? Clip once, after the window's last backward (or pass "
+            "max_grad_norm= to the Accumulator)"
         )
     if last is not None and _multiple(got, last, tolerance):
         return (

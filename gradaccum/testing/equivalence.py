@@ -641,7 +641,9 @@ def _run(setup: _Setup, rank: int) -> _Run:
         windows,
         tolerance,
         len(setup.batches),
-        lambda index: reference.last_alone(index, windows[index - 1].params if index else start),
+        lambda index: reference.microbatches_alone(
+            index, windows[index - 1].params if index else start
+        ),
     )
     several = len(optimizers) > 1
     return _Run(
@@ -711,11 +713,12 @@ def _compare_gradients(
     windows: list[_Window],
     tolerance: float,
     world: int,
-    last_alone: Callable[[int], list[torch.Tensor]],
+    microbatches_alone: Callable[[int], list[list[torch.Tensor]]],
 ) -> tuple[float, int | None, tuple[int, str] | None]:
     """The largest gap between each window's gradient and the reference's, its window,
-    and what the first window off the reference shows (``last_alone(index)``: the
-    gradient of that window's last microbatches alone, `_Reference.last_alone`)."""
+    and what the first window off the reference shows (``microbatches_alone(index)``:
+    the gradient of each of that window's microbatches alone,
+    `_Reference.microbatches_alone`)."""
     worst, where, problem = 0.0, None, None
     shapes = [grad.shape for grad in windows[0].grad] if windows else []
     lengths = setup.window_lengths()
@@ -734,16 +737,23 @@ def _compare_gradients(
                     previous.values + want.raw_seen_as(got.positions), setup.max_grad_norm
                 )
             norm, max_norm = float(flat(want.raw).norm()), setup.max_grad_norm
-            last = None  # the window's last microbatches alone, where it has more than one
-            if got.positions is not None and lengths[index] > 1:
-                alone = last_alone(index)
-                last = flat([alone[i] for i in got.positions])
+            # The window's last microbatches alone, and (one process, mean mode) what
+            # clipping after every backward steps with, where the window has more than one.
+            last = clipped_each = None
+            positions = got.positions
+            if positions is not None and lengths[index] > 1:
+                alone = microbatches_alone(index)
+                last = flat([alone[-1][i] for i in positions])
+                if world == 1 and max_norm is not None and setup.num_items is None:
+                    each = _clipped_each(alone, max_norm)
+                    clipped_each = flat([each[i] for i in positions])
             text = gradient_problem(
                 index + 1,
                 got.values,
                 expected,
                 accumulated,
                 last=last,
+                clipped_each=clipped_each,
                 length=lengths[index],
                 steps=setup.steps,
                 world=world,
@@ -757,6 +767,19 @@ def _compare_gradients(
             problem = (index + 1, text)
         previous = got
     return worst, where, problem
+
+
+def _clipped_each(microbatches: list[list[torch.Tensor]], max_norm: float) -> list[torch.Tensor]:
+    """The gradient (per parameter) that a loop clipping after every backward steps with:
+    each microbatch's share (its gradient over the window's microbatches) added to the
+    running sum, which ``clip_grad_norm_`` then clips, in turn."""
+    share = 1 / len(microbatches)
+    running = [torch.zeros_like(grad) for grad in microbatches[0]]
+    for grads in microbatches:
+        running = [total + grad * share for total, grad in zip(running, grads, strict=True)]
+        norm = float(torch.linalg.vector_norm(flat(running)))
+        running = [total * min(1.0, max_norm / (norm + 1e-6)) for total in running]
+    return running
 
 
 def _clipped(grad: torch.Tensor, max_norm: float | None) -> torch.Tensor:
@@ -806,20 +829,22 @@ class _Reference:
                 param.copy_(value)
         self.data = [[_to64(batch) for batch in mine] for mine in setup.batches]
 
-    def last_alone(self, index: int, at: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The gradient, at the parameters ``at``, of window ``index``'s (from 0) last
-        microbatch on every rank alone, as the window's loss weighs it: what a loop that
-        clears the gradient before every backward steps with (up to a factor). Leaves the
-        model at ``at``; read after `windows`."""
+    def microbatches_alone(self, index: int, at: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """The gradient, at the parameters ``at``, of each microbatch of window ``index``
+        (from 0) alone (every rank's at that place, as one window's loss weighs them):
+        the last is what a loop that clears the gradient before every backward steps
+        with (up to a factor). Leaves the model at ``at``; read after `windows`."""
         params = list(self.model.parameters())
         with torch.no_grad():
             for param, value in zip(params, at, strict=True):
                 param.copy_(value)
-        self.model.zero_grad(set_to_none=True)
-        last = self.setup.windows()[index][-1]
-        micro = [mine[last] for mine in self.data]
-        _window_loss(self.model, self.setup.loss, micro, self.setup.num_items).backward()  # type: ignore[no-untyped-call]
-        return [_grad_of(param) for param in params]
+        found = []
+        for place in self.setup.windows()[index]:
+            self.model.zero_grad(set_to_none=True)
+            micro = [mine[place] for mine in self.data]
+            _window_loss(self.model, self.setup.loss, micro, self.setup.num_items).backward()  # type: ignore[no-untyped-call]
+            found.append([_grad_of(param) for param in params])
+        return found
 
     def windows(self, hyperparameters: list[list[Any]]) -> Iterator[_Window]:
         """The reference after each window, every epoch, each optimizer stepped at the
