@@ -489,6 +489,7 @@ def checks(rank: int, world: int) -> dict[str, Any]:
             functools.partial(hand_loop, divisor=1),
             wrap=functools.partial(FullyShardedDataParallel, device_id=torch.device("cpu")),
         ),
+        "divided_by_world": check(functools.partial(hand_loop, divisor=STEPS * world), **ddp),
         "summed_over_ranks": check(
             functools.partial(hand_loop, divisor=STEPS / world),
             expect_collectives={"all_reduce": 1},

@@ -276,6 +276,16 @@ def test_a_gradient_summed_over_the_ranks_is_named() -> None:
         )
 
 
+def test_a_loss_divided_by_the_world_size_is_named() -> None:
+    """A loss divided by the world size as well as by steps (as if DDP summed the ranks'
+    gradients): half the reference's on 2 ranks, named (it gave no cause before)."""
+    for report in checked("divided_by_world"):
+        assert report.problems[0] == (
+            "the gradient of window 1 is 0.50x the reference's: is the loss divided by the "
+            "world size, 2? DDP (and FSDP) average the ranks' gradients already"
+        )
+
+
 def test_two_optimizers_under_ddp() -> None:
     """SGD on the weights and Adam on the biases, one all-reduce per window: exact, by hand
     and through the several-optimizer `Accumulator`; not dividing by steps is named."""

@@ -233,11 +233,17 @@ def _factor_hint(scale: float, length: int, steps: int, world: int) -> str | Non
             f"it is the trailing partial window, of {length} microbatch"
             f"{'es' * (length > 1)}; is its loss divided by steps={steps} instead of by {length}?"
         )
+    hints = []
     if length > 1 and _near(scale, 1 / length):
-        return "is the loss divided by steps twice?"
+        hints.append("is the loss divided by steps twice?")
+    if world > 1 and _near(scale, 1 / world):
+        hints.append(
+            f"is the loss divided by the world size, {world}? DDP (and FSDP) average the "
+            "ranks' gradients already"
+        )
     if world > 1 and _near(scale, world):
-        return f"are the gradients summed over the {world} ranks instead of averaged?"
-    return None
+        hints.append(f"are the gradients summed over the {world} ranks instead of averaged?")
+    return "; or ".join(hints) or None
 
 
 def not_per_item_problem(active: dict[str, str]) -> str:
