@@ -410,6 +410,20 @@ def with_dropout() -> nn.Module:
     return nn.Sequential(first, nn.Dropout(0.1), tanh, last)
 
 
+class FunctionalDropout(nn.Module):
+    """`make_model`'s layers with ``F.dropout(p)`` after the first in its own ``forward``
+    (training mode): random, and no module shows it."""
+
+    def __init__(self, p: float = 0.1) -> None:
+        super().__init__()
+        self.first, self.tanh, self.last = make_model()
+        self.p = p
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        hidden = nn.functional.dropout(self.first(inputs), self.p, training=self.training)
+        return self.last(self.tanh(hidden))
+
+
 def check(
     loop: Any,
     *,
@@ -513,6 +527,7 @@ def checks(rank: int, world: int) -> dict[str, Any]:
         "nanogpt_unscaled": nanogpt_check(world=world, divide=False),
         "nanogpt_autocast": nanogpt_check(world=world, autocast=torch.bfloat16),
         "dropout": check(hand_loop, make_model=with_dropout, **ddp),
+        "functional_dropout": check(hand_loop, make_model=FunctionalDropout, **ddp),
         "zero_every_microstep": check(zero_every_microstep_loop, **ddp),
         "nanogpt_unscaled_sgd": nanogpt_check(sgd, world, divide=False),
         "two_optimizers": two_optimizer_check(world),

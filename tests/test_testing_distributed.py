@@ -238,6 +238,15 @@ def test_dropout_under_ddp_is_named_as_the_cause() -> None:
         )
 
 
+def test_a_functional_dropout_under_ddp_is_named_as_the_cause() -> None:
+    """A right DDP loop on a model whose forward calls ``F.dropout`` (no module shows it):
+    the report says first that two forwards of a microbatch differ."""
+    for report in checked("functional_dropout"):
+        assert report.problems[0].startswith(
+            "two losses of the same microbatch at the same parameters differ"
+        )
+
+
 @pytest.mark.parametrize("name", ["nanogpt_unscaled", "nanogpt_unscaled_sgd"])
 def test_nanogpt_s_loop_without_dividing_by_steps_fails_with_the_factor(name: str) -> None:
     """Under AdamW, whose update ignores the gradient's scale, the parameters stay within

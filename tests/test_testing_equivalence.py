@@ -266,6 +266,25 @@ def test_unclipped_factor_inverts_clip_grad_norms_eps(factor: float) -> None:
     assert unclipped_factor(1.01, norm) is None
 
 
+@pytest.mark.parametrize("p", [0.1, 0.0])
+def test_a_functional_dropout_is_named_as_the_cause(p: float) -> None:
+    """A right loop on a model whose own ``forward`` calls ``F.dropout`` (GPT-2's
+    attention dropout is often written so): no dropout module to see, and the report
+    said only "off the float64 big-batch reference". Two losses of one microbatch at the
+    same parameters now show the forward is random, named first (looked at only when a
+    window is off, under a forked random state). A dropout of 0 passes."""
+    report = loops.check(loops.hand_loop, make_model=functools.partial(loops.FunctionalDropout, p))
+    if p == 0.0:
+        assert report.ok, report
+        return
+    assert report.problems[0] == (
+        "two losses of the same microbatch at the same parameters differ: the model's "
+        "forward draws random numbers (a functional F.dropout with training=True, or "
+        "another random op), so its gradients cannot match the reference's whatever the "
+        "loop: build make_model's model for the check without them (dropout 0)"
+    )
+
+
 def with_middle(middle: Any, argument: float) -> torch.nn.Module:
     """`make_model`'s layers with ``middle(argument)`` after the first."""
     torch.manual_seed(0)

@@ -19,6 +19,7 @@ __all__ = [
     "gap",
     "gradient_problem",
     "not_per_item_problem",
+    "random_forward_problem",
     "step_problem",
     "unclipped_factor",
     "worse",
@@ -260,6 +261,18 @@ def not_per_item_problem(active: dict[str, str]) -> str:
         "cannot match the reference's whatever the loop: build make_model's model for the "
         "check without them (dropout 0; a per-item norm such as LayerNorm or GroupNorm, or "
         "the batch norm in eval mode)"
+    )
+
+
+def random_forward_problem() -> str:
+    """The model's forward draws random numbers where no module shows it (a functional
+    ``F.dropout``, or a random op of the model's own): two losses of one microbatch at
+    the same parameters differ, so no loop can match the reference."""
+    return (
+        "two losses of the same microbatch at the same parameters differ: the model's "
+        "forward draws random numbers (a functional F.dropout with training=True, or "
+        "another random op), so its gradients cannot match the reference's whatever the "
+        "loop: build make_model's model for the check without them (dropout 0)"
     )
 
 

@@ -41,6 +41,7 @@ from gradaccum.testing.diagnosis import (
     gap,
     gradient_problem,
     not_per_item_problem,
+    random_forward_problem,
     step_problem,
     worse,
 )
@@ -566,6 +567,7 @@ class _Run:
     computed: str | None  # else the dtype in the forwards' graph that set it, if one did
     not_per_item: dict[str, str]  # the dropouts and batch norms active in its forwards
     left_over: bool  # forwards after the last step left a gradient in the parameters
+    random_forward: bool  # off the reference, and two forwards of a microbatch differ
 
 
 def _run_on_rank(rank: int, world: int, setup: _Setup) -> _Run:
@@ -646,6 +648,8 @@ def _run(setup: _Setup, rank: int) -> _Run:
         ),
     )
     several = len(optimizers) > 1
+    off = grad_problem is not None or not worst <= tolerance
+    drawn = off and not observed.not_per_item and reference.random_forward()
     return _Run(
         optimizer_steps={
             f"optimizers[{i}]" if several else "optimizer": n
@@ -668,6 +672,7 @@ def _run(setup: _Setup, rank: int) -> _Run:
         computed=precision if autocast is None and lowest in observed.computed else None,
         not_per_item=observed.not_per_item,
         left_over=observed.forwards_after > 0 and _left_over(wrapped),
+        random_forward=drawn,
     )
 
 
@@ -829,6 +834,16 @@ class _Reference:
                 param.copy_(value)
         self.data = [[_to64(batch) for batch in mine] for mine in setup.batches]
 
+    def random_forward(self) -> bool:
+        """Two losses of the first microbatch, at the same parameters, differ: the forward
+        draws random numbers (a functional ``F.dropout``, say, which no module shows).
+        Under a forked random state: nothing the trainer draws moves."""
+        batch = self.data[0][0]
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            first = self.setup.loss(self.model, batch)
+            second = self.setup.loss(self.model, batch)
+        return not torch.equal(first, second)
+
     def microbatches_alone(self, index: int, at: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         """The gradient, at the parameters ``at``, of each microbatch of window ``index``
         (from 0) alone (every rank's at that place, as one window's loss weighs them):
@@ -892,6 +907,8 @@ def _merge(setup: _Setup, runs: list[_Run]) -> AccumulationReport:
     active = {name: kind for run in runs for name, kind in run.not_per_item.items()}
     if active:
         problems.append(not_per_item_problem(active))
+    elif any(run.random_forward for run in runs):
+        problems.append(random_forward_problem())
     agree = True
     for name in [*first.optimizer_steps, *first.scheduler_steps]:
         counts = [{**run.optimizer_steps, **run.scheduler_steps}[name] for run in runs]
