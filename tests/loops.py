@@ -302,6 +302,15 @@ def clip_every_microstep_loop(
                 scheduler.step()
 
 
+def epoch_scheduler_loop(
+    model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, batches: Sequence[Batch]
+) -> None:
+    """`hand_loop`'s windows with the scheduler stepped once, at the epoch's end: a
+    schedule in epochs, as torchvision's reference scripts step theirs."""
+    hand_loop(model, optimizer, None, batches)
+    scheduler.step()
+
+
 def epoch_spanning_loop(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,

@@ -285,6 +285,32 @@ def test_a_functional_dropout_is_named_as_the_cause(p: float) -> None:
     )
 
 
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_a_schedule_in_epochs_is_checked_as_one(epochs: int) -> None:
+    """A scheduler stepped once at each epoch's end was read as windows never stepped
+    ("is scheduler.step() reached at the end of every window?"), a false alarm on a
+    schedule in epochs. The count is now named as one per epoch, with the option that
+    checks it so: ``scheduler_per="epoch"``, under which it passes, and a scheduler
+    stepped every window fails."""
+    window = loops.check(loops.epoch_scheduler_loop, epochs=epochs)
+    assert window.problems == [
+        f"{epochs} scheduler steps, expected {3 * epochs} = total_steps(13, 4, {epochs}, "
+        "drop_last=True): one per epoch: right for a schedule in epochs (a StepLR by epochs, "
+        "say): pass scheduler_per='epoch'; a schedule in optimizer steps has its step() "
+        "outside the loop over the windows"
+    ]
+    epoch = loops.check(loops.epoch_scheduler_loop, epochs=epochs, scheduler_per="epoch")
+    assert epoch.ok, epoch
+    assert epoch.scheduler_steps == epochs
+    every_window = loops.check(loops.hand_loop, epochs=epochs, scheduler_per="epoch")
+    assert every_window.problems == [
+        f"{3 * epochs} scheduler steps, expected {epochs}: one per epoch "
+        "(scheduler_per='epoch'); is scheduler.step() called once, at every epoch's end?"
+    ]
+    with pytest.raises(gradaccum.ConfigError, match="scheduler_per must be one of 'window'"):
+        loops.check(loops.hand_loop, scheduler_per="step")
+
+
 def with_middle(middle: Any, argument: float) -> torch.nn.Module:
     """`make_model`'s layers with ``middle(argument)`` after the first."""
     torch.manual_seed(0)

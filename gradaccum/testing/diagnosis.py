@@ -39,10 +39,25 @@ def worse(candidate: float, worst: float) -> bool:
 
 
 def step_problem(
-    label: str, count: int, *, n_batches: int, steps: int, epochs: int, drop_last: bool
+    label: str,
+    count: int,
+    *,
+    n_batches: int,
+    steps: int,
+    epochs: int,
+    drop_last: bool,
+    per_epoch: bool = False,
 ) -> str | None:
     """``12 scheduler steps, expected 3 = total_steps(...)``, and what the count suggests;
-    None when the count is the expected one."""
+    None when the count is the expected one (``per_epoch``: one per epoch, for a
+    scheduler of a schedule in epochs)."""
+    if per_epoch:
+        if count == epochs:
+            return None
+        return (
+            f"{count} {label} steps, expected {epochs}: one per epoch "
+            f"(scheduler_per='epoch'); is {label}.step() called once, at every epoch's end?"
+        )
     expected = total_steps(n_batches, steps, epochs, drop_last)
     if count == expected:
         return None
@@ -58,6 +73,12 @@ def step_problem(
         hint = f"{partial} was stepped; with drop_last=True it is dropped (pass drop_last=False)"
     elif remainder and not drop_last and count == expected - epochs:
         hint = f"{partial} was never stepped; with drop_last=False it is (pass drop_last=True)"
+    elif label.startswith("scheduler") and count == epochs and expected > epochs:
+        hint = (
+            "one per epoch: right for a schedule in epochs (a StepLR by epochs, say): pass "
+            "scheduler_per='epoch'; a schedule in optimizer steps has its step() outside "
+            "the loop over the windows"
+        )
     elif count == 0:
         hint = f"{label}.step() was never called" + (
             "; a trainer that sets the learning rate by hand needs no make_scheduler"

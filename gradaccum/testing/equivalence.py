@@ -226,6 +226,7 @@ def check_accumulation(
     expect_collectives: Mapping[str, int] | None = None,
     tolerance: float | None = None,
     backend: str = "gloo",
+    scheduler_per: Literal["window", "epoch"] = "window",
 ) -> AccumulationReport:
     """Train with the user's own loop and check it against one big batch per window.
 
@@ -299,6 +300,10 @@ def check_accumulation(
             to it (seen by a forward pre-hook on the model), or in it by the autograd
             graph of their outputs (an autocast inside ``forward``, or a cast).
         backend: The launched ranks' backend, ``"gloo"`` or ``"nccl"``.
+        scheduler_per: How often ``train`` steps ``make_scheduler``'s schedulers:
+            ``"window"``, once per window (a schedule in optimizer steps), or
+            ``"epoch"``, once per epoch (a schedule in epochs, as a ``StepLR`` by
+            epochs); the learning rates are followed either way.
 
     Returns:
         The report: ``report.ok``, and ``str(report)`` says what broke.
@@ -345,6 +350,7 @@ def check_accumulation(
         max_grad_norm=check_max_grad_norm(max_grad_norm),
         expect_collectives=_check_expected(expect_collectives),
         tolerance=_check_tolerance(tolerance),
+        scheduler_per=check_choice(scheduler_per, "scheduler_per", ("window", "epoch")),
     )
     setup.check()
     check_choice(backend, "backend", ("gloo", "nccl"))
@@ -443,6 +449,7 @@ class _Setup:
     max_grad_norm: float | None
     expect_collectives: dict[str, int]
     tolerance: float | None
+    scheduler_per: str
 
     def callables(self) -> dict[str, object]:
         return {
@@ -922,6 +929,7 @@ def _merge(setup: _Setup, runs: list[_Run]) -> AccumulationReport:
             steps=setup.steps,
             epochs=setup.epochs,
             drop_last=setup.drop_last,
+            per_epoch=setup.scheduler_per == "epoch" and name.startswith("scheduler"),
         ):
             problems.append(problem)
     off = [run.grad_problem for run in runs if run.grad_problem is not None]
