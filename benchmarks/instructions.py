@@ -44,7 +44,7 @@ How it is measured:
     ``--layouts`` layouts (3: the environment padded by 0, 1 and 2 kB), and the ratio's
     range over them is printed beside it. Needs valgrind and its header (Debian:
     ``apt-get install valgrind``) and a C compiler; not run in CI. A full table takes
-    about half an hour on two cores.
+    about an hour on two cores.
 
 How to read it:
     ``ratio`` is gradaccum's instructions per microstep over the hand loop's; the target
