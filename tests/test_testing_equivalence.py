@@ -294,7 +294,8 @@ def test_a_schedule_in_epochs_is_checked_as_one(epochs: int) -> None:
     stepped every window fails."""
     window = loops.check(loops.epoch_scheduler_loop, epochs=epochs)
     assert window.problems == [
-        f"{epochs} scheduler steps, expected {3 * epochs} = total_steps(13, 4, {epochs}, "
+        f"{epochs} scheduler step{'s' * (epochs > 1)}, expected {3 * epochs} = "
+        f"total_steps(13, 4, {epochs}, "
         "drop_last=True): one per epoch: right for a schedule in epochs (a StepLR by epochs, "
         "say): pass scheduler_per='epoch'; a schedule in optimizer steps has its step() "
         "outside the loop over the windows"

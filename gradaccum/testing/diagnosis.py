@@ -55,14 +55,14 @@ def step_problem(
         if count == epochs:
             return None
         return (
-            f"{count} {label} steps, expected {epochs}: one per epoch "
+            f"{count} {label} step{'s' * (count != 1)}, expected {epochs}: one per epoch "
             f"(scheduler_per='epoch'); is {label}.step() called once, at every epoch's end?"
         )
     expected = total_steps(n_batches, steps, epochs, drop_last)
     if count == expected:
         return None
     formula = f"total_steps({n_batches}, {steps}, {epochs}, drop_last={drop_last})"
-    problem = f"{count} {label} steps, expected {expected} = {formula}"
+    problem = f"{count} {label} step{'s' * (count != 1)}, expected {expected} = {formula}"
     remainder = n_batches % steps
     partial = f"the trailing partial window of {remainder} microbatch{'es' * (remainder > 1)}"
     if steps > 1 and count in (_trained(n_batches, steps, drop_last) * epochs, n_batches * epochs):
