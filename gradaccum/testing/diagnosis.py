@@ -14,6 +14,7 @@ from gradaccum.testing.counting import in_words
 
 __all__ = [
     "blind_spots",
+    "clip_factor",
     "collective_problem",
     "ddp_problem",
     "gap",
@@ -26,6 +27,12 @@ __all__ = [
 ]
 
 _CLIP_EPS = 1e-6  # what clip_grad_norm_ adds to the norm it divides by
+
+
+def clip_factor(norm: float, max_norm: float) -> float:
+    """What ``clip_grad_norm_`` multiplies a gradient of ``norm`` by, clipping to
+    ``max_norm``."""
+    return min(1.0, max_norm / (norm + _CLIP_EPS))
 
 
 def gap(got: torch.Tensor, want: torch.Tensor) -> float:

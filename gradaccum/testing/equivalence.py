@@ -36,6 +36,7 @@ from gradaccum.testing.counting import (
 )
 from gradaccum.testing.diagnosis import (
     blind_spots,
+    clip_factor,
     collective_problem,
     ddp_problem,
     gap,
@@ -790,7 +791,7 @@ def _clipped_each(microbatches: list[list[torch.Tensor]], max_norm: float) -> li
     for grads in microbatches:
         running = [total + grad * share for total, grad in zip(running, grads, strict=True)]
         norm = float(torch.linalg.vector_norm(flat(running)))
-        running = [total * min(1.0, max_norm / (norm + 1e-6)) for total in running]
+        running = [total * clip_factor(norm, max_norm) for total in running]
     return running
 
 
@@ -798,7 +799,7 @@ def _clipped(grad: torch.Tensor, max_norm: float | None) -> torch.Tensor:
     """``grad`` (flat) clipped as ``clip_grad_norm_`` clips to ``max_norm``."""
     if max_norm is None:
         return grad
-    return grad * min(1.0, max_norm / (float(grad.norm()) + 1e-6))
+    return grad * clip_factor(float(grad.norm()), max_norm)
 
 
 @dataclass
