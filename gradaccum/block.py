@@ -45,7 +45,7 @@ class Microstep:
     the accumulator is closed or broken: ``stopped``); the other attributes are what the
     hot path reads, decided when the accumulator takes a strategy (`use`), what the
     strategy was last armed with (``armed``), and the gradient a mean-mode loss is
-    back-propagated with (``unit``, for the divisor ``unit_divisor``: `backward`).
+    back-propagated with (``unit``, for the divisor ``unit_divisor``: `scaled`).
     """
 
     __slots__ = (
@@ -169,9 +169,10 @@ class Microstep:
         if failed is not None:
             faults.add_note(error, f"gradaccum.RankFailedError: {failed}")
 
-    def backward(self, loss: torch.Tensor, divisor: int) -> None:
-        """Back-propagate a mean-mode ``loss / divisor`` (``divisor > 1``; through the
-        scaler) where the kept ``unit`` does not fit: make the one that does, where one can.
+    def scaled(self, loss: torch.Tensor, divisor: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What to back-propagate for a mean-mode ``loss / divisor`` (``divisor > 1``), and
+        with which gradient, where the kept ``unit`` does not fit: ``loss`` with the unit
+        made for it, where one can be, else ``loss / divisor`` (with torch's own).
 
         ``unit`` is the gradient that ``(loss / divisor).backward()`` sends into ``loss``:
         ``1 / divisor``, computed by the same division in the loss's dtype on its device,
@@ -184,18 +185,15 @@ class Microstep:
         its scale, and ``scale * (1 / divisor)`` equals ``scale / divisor`` exactly only
         then.
         """
-        scaler = self.scaler
         if (
             type(loss) is torch.Tensor
             and loss.dtype.is_floating_point
-            and (scaler is None or divisor & (divisor - 1) == 0)
+            and (self.scaler is None or divisor & (divisor - 1) == 0)
         ):
             self.unit = unit = torch.ones((), dtype=loss.dtype, device=loss.device) / divisor
             self.unit_divisor = divisor
-            (loss if scaler is None else scaler.scale(loss)).backward(unit)  # type: ignore[no-untyped-call]
-            return
-        scaled = loss / divisor
-        (scaled if scaler is None else scaler.scale(scaled)).backward()  # type: ignore[no-untyped-call]
+            return loss, unit
+        return loss / divisor, None
 
     def __enter__(self) -> Step:
         loss = self.loss
@@ -225,18 +223,20 @@ class Microstep:
                 actual = self.acc._strategy.overridden()
                 if actual is not None:
                     _warn_overridden(self.acc, actual)
-            divisor, scaler, unit = window.divisor, self.scaler, self.unit
+            divisor, unit = window.divisor, self.unit
             if num_items is not None or divisor == 1:
-                (loss if scaler is None else scaler.scale(loss)).backward()  # type: ignore[no-untyped-call]
+                scaled, gradient = loss, None
             elif (
                 unit is not None
                 and self.unit_divisor == divisor
                 and unit.dtype is loss.dtype
                 and type(loss) is torch.Tensor
             ):
-                (loss if scaler is None else scaler.scale(loss)).backward(unit)  # type: ignore[no-untyped-call]
+                scaled, gradient = loss, unit
             else:
-                self.backward(loss, divisor)
+                scaled, gradient = self.scaled(loss, divisor)
+            scaler = self.scaler
+            (scaled if scaler is None else scaler.scale(scaled)).backward(gradient)  # type: ignore[no-untyped-call]
             window.losses.append(loss.detach())  # the value only: the graph is freed now
             if num_items is not None:
                 window.items.append(num_items)
