@@ -144,22 +144,25 @@ def gradient_problem(
             this is the first window of an epoch after the first (else 0).
     """
     noun = "gradient norm" if norm_only else "gradient"
-    squared = float(want @ want)
-    scale = float(got @ want) / squared if squared > 0 else math.nan
-    fits = math.isfinite(scale) and gap(got, scale * want) <= tolerance
-    factor = None if clipped is None or not fits else unclipped_factor(scale, clipped[0])
-    if factor is not None and clipped is not None:
-        why = (
-            _items_hint(factor, length, world)
+
+    def factor_hint(found: float) -> str | None:
+        """The mistake a gradient ``found`` times the reference's points to."""
+        return (
+            _items_hint(found, length, world)
             if items
-            else _factor_hint(factor, length, steps, world)
+            else _factor_hint(found, length, steps, world)
         )
+
+    scale = _multiple_of(got, want, tolerance)
+    factor = None if clipped is None or scale is None else unclipped_factor(scale, clipped[0])
+    if factor is not None and clipped is not None:
+        why = factor_hint(factor)
         return (
             f"the {noun} of window {window} was {factor:.2f}x the reference's before "
             f"clipping (both were clipped to max_grad_norm={clipped[1]:g}, and only the 1e-6 "
             "that clip_grad_norm_ adds to the norm tells them apart)" + (f": {why}" if why else "")
         )
-    if fits and not _near(scale, 1):
+    if scale is not None and not _near(scale, 1):
         if not got.any():
             hint: str | None = (
                 "the optimizer stepped with no gradient: is zero_grad() called before "
@@ -168,11 +171,7 @@ def gradient_problem(
                 "shards)?"
             )
         else:
-            hint = (
-                _items_hint(scale, length, world)
-                if items
-                else _factor_hint(scale, length, steps, world)
-            )
+            hint = factor_hint(scale)
         return f"the {noun} of window {window} is {scale:.2f}x the reference's" + (
             f": {hint}" if hint else ""
         )
@@ -188,7 +187,8 @@ def gradient_problem(
             "inside the window? Clip once, after the window's last backward (or pass "
             "max_grad_norm= to the Accumulator)"
         )
-    if last is not None and _multiple(got, last, tolerance):
+    alone = None if last is None else _multiple_of(got, last, tolerance)
+    if alone is not None and alone > 0:
         return (
             f"the gradient of window {window} is its last microbatch's alone (scaled): is "
             "zero_grad() called before every backward, inside the window? Clear the "
@@ -209,11 +209,12 @@ def gradient_problem(
     )
 
 
-def _multiple(got: torch.Tensor, want: torch.Tensor, tolerance: float) -> bool:
-    """``got`` is a positive multiple of ``want``, to ``tolerance`` (clipping keeps that)."""
+def _multiple_of(got: torch.Tensor, want: torch.Tensor, tolerance: float) -> float | None:
+    """The factor ``got`` is of ``want``, where it is a multiple of it to ``tolerance``
+    (clipping keeps that), else None."""
     squared = float(want @ want)
     scale = float(got @ want) / squared if squared > 0 else math.nan
-    return math.isfinite(scale) and scale > 0 and gap(got, scale * want) <= tolerance
+    return scale if math.isfinite(scale) and gap(got, scale * want) <= tolerance else None
 
 
 def unclipped_factor(scale: float, norm: float) -> float | None:

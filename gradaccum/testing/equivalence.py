@@ -608,7 +608,6 @@ def _run(setup: _Setup, rank: int) -> _Run:
     scheduler = setup.make_scheduler(made) if setup.make_scheduler is not None else None
     schedulers = _schedulers(scheduler, len(optimizers))
     start = full_params(wrapped)
-    dtype = next((p.dtype for p in wrapped.parameters() if p.is_floating_point()), torch.float64)
     reference = _Reference(setup, start)  # refuses a model whose parameters it cannot match
     counter = CollectiveCounter()
     observed = Observed(wrapped, optimizers, counter)
@@ -632,7 +631,8 @@ def _run(setup: _Setup, rank: int) -> _Run:
     # The tolerance follows the lowest precision the trainer computes in: its parameters',
     # that of the autocast its forwards ran under, or one their graph carries.
     lowest = max(
-        [dtype, *observed.autocast, *observed.computed], key=lambda kind: torch.finfo(kind).eps
+        [observed.dtype, *observed.autocast, *observed.computed],
+        key=lambda kind: torch.finfo(kind).eps,
     )
     precision = str(lowest).removeprefix("torch.")
     autocast = precision if lowest in observed.autocast else None
@@ -837,10 +837,14 @@ class _Reference:
                 "parameters and their order"
             )
             raise ConfigError(msg)
-        with torch.no_grad():
-            for param, value in zip(params, start, strict=True):
-                param.copy_(value)
+        self._load(start)
         self.data = [[_to64(batch) for batch in mine] for mine in setup.batches]
+
+    def _load(self, values: list[torch.Tensor]) -> None:
+        """Set the model's parameters to ``values``."""
+        with torch.no_grad():
+            for param, value in zip(self.model.parameters(), values, strict=True):
+                param.copy_(value)
 
     def random_forward(self) -> bool:
         """Two losses of the first microbatch, at the same parameters, differ: the forward
@@ -857,10 +861,8 @@ class _Reference:
         (from 0) alone (every rank's at that place, as one window's loss weighs them):
         the last is what a loop that clears the gradient before every backward steps
         with (up to a factor). Leaves the model at ``at``; read after `windows`."""
+        self._load(at)
         params = list(self.model.parameters())
-        with torch.no_grad():
-            for param, value in zip(params, at, strict=True):
-                param.copy_(value)
         found = []
         for place in self.setup.windows()[index]:
             self.model.zero_grad(set_to_none=True)

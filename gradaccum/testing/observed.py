@@ -147,6 +147,7 @@ class Observed:
             name: a dropout with ``p > 0`` or a batch norm, in training mode.
         forwards_after: The model's forwards under grad mode since the last optimizer step
             (all of them, before the first).
+        dtype: The parameters' floating-point dtype (the first's; float64 without one).
     """
 
     def __init__(
@@ -165,7 +166,7 @@ class Observed:
         self.norms: list[float] = []
         self.autocast: set[torch.dtype] = set()
         self.computed: set[torch.dtype] = set()
-        self._dtype = next(
+        self.dtype = next(
             (p.dtype for p in model.parameters() if p.is_floating_point()), torch.float64
         )
         self._looks = _LOOKS
@@ -209,7 +210,7 @@ class Observed:
     def _forward_done(self, _: nn.Module, __: object, output: object) -> None:
         if self._looks and torch.is_grad_enabled():
             self._looks -= 1
-            self.computed |= graph_dtypes(output, below=self._dtype)
+            self.computed |= graph_dtypes(output, below=self.dtype)
 
     def _read(self, index: int, optimizer: torch.optim.Optimizer, *_: object) -> None:
         self.forwards_after = 0
