@@ -74,15 +74,22 @@ def hand_loop(
     scheduler_every_microbatch: bool = False,
     divisor: float | None = None,
     synced: int = 1,
+    zero_every_microstep: bool = False,
+    clip_every_microstep: float | None = None,
 ) -> None:
     """A loop of its own: ``loss / steps`` per microbatch (by ``divisor`` if given: a
     bug), ``no_sync()`` off the boundary (around the forward too, unless
     ``forward_inside`` is False: the bug equal gradients hide; off a window's last
     ``synced`` microbatches, more than one: exact, and wasteful), the optimizer and the
     scheduler stepped at the boundary (the scheduler on every microbatch with
-    ``scheduler_every_microbatch``: the bug the step count shows)."""
+    ``scheduler_every_microbatch``: the bug the step count shows). Two more bugs: with
+    ``zero_every_microstep``, a plain loop's ``zero_grad()`` left at the top of the body
+    (each backward clears the window's gradient so far); with ``clip_every_microstep``,
+    ``clip_grad_norm_`` to it right after every backward (the partial sums clipped)."""
     no_sync = getattr(model, "no_sync", contextlib.nullcontext)
     for index, batch in enumerate(batches[: len(batches) // steps * steps]):
+        if zero_every_microstep:
+            optimizer.zero_grad()
         boundary = (index + 1) % steps == 0
         sync = index % steps >= steps - synced
         context = contextlib.nullcontext() if sync else no_sync()
@@ -94,6 +101,8 @@ def hand_loop(
             loss = mean_loss(model, batch) / divisor
             with context:
                 loss.backward()
+        if clip_every_microstep is not None:
+            nn.utils.clip_grad_norm_(model.parameters(), clip_every_microstep)
         if boundary:
             optimizer.step()
             optimizer.zero_grad()
@@ -267,39 +276,6 @@ def two_optimizer_check(
         wrap=DistributedDataParallel if world > 1 else None,
         expect_collectives={"all_reduce": 1} if world > 1 else None,
     )
-
-
-def zero_every_microstep_loop(
-    model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, batches: Sequence[Batch]
-) -> None:
-    """A plain loop turned into an accumulating one (``no_sync()`` off the boundary under
-    DDP) with its ``zero_grad()`` left at the top of the body: each backward clears the
-    window's gradient so far."""
-    no_sync = getattr(model, "no_sync", contextlib.nullcontext)
-    for index, batch in enumerate(batches[: len(batches) // STEPS * STEPS]):
-        optimizer.zero_grad()
-        boundary = (index + 1) % STEPS == 0
-        with contextlib.nullcontext() if boundary else no_sync():
-            (mean_loss(model, batch) / STEPS).backward()
-        if boundary:
-            optimizer.step()
-            if scheduler is not None:
-                scheduler.step()
-
-
-def clip_every_microstep_loop(
-    model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, batches: Sequence[Batch]
-) -> None:
-    """A loop that clips right after every backward, inside the window (at 0.5), instead
-    of once before the window's step: the partial sums are clipped."""
-    for index, batch in enumerate(batches[: len(batches) // STEPS * STEPS]):
-        (mean_loss(model, batch) / STEPS).backward()
-        nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        if (index + 1) % STEPS == 0:
-            optimizer.step()
-            optimizer.zero_grad()
-            if scheduler is not None:
-                scheduler.step()
 
 
 def epoch_scheduler_loop(
@@ -537,7 +513,9 @@ def checks(rank: int, world: int) -> dict[str, Any]:
         "nanogpt_autocast": nanogpt_check(world=world, autocast=torch.bfloat16),
         "dropout": check(hand_loop, make_model=with_dropout, **ddp),
         "functional_dropout": check(hand_loop, make_model=FunctionalDropout, **ddp),
-        "zero_every_microstep": check(zero_every_microstep_loop, **ddp),
+        "zero_every_microstep": check(
+            functools.partial(hand_loop, zero_every_microstep=True), **ddp
+        ),
         "nanogpt_unscaled_sgd": nanogpt_check(sgd, world, divide=False),
         "two_optimizers": two_optimizer_check(world),
         "two_optimizers_unscaled": two_optimizer_check(world, divide=False),

@@ -477,7 +477,7 @@ PARAMETERS = "parameters off the float64 big-batch reference by"
             ],
         ),
         (
-            loops.clip_every_microstep_loop,
+            functools.partial(loops.hand_loop, clip_every_microstep=0.5),
             {"max_grad_norm": 0.5},
             [
                 "the gradient of window 1 is what clipping after every backward gives (the "
@@ -487,7 +487,7 @@ PARAMETERS = "parameters off the float64 big-batch reference by"
             ],
         ),
         (
-            loops.zero_every_microstep_loop,
+            functools.partial(loops.hand_loop, zero_every_microstep=True),
             {},
             [
                 "the gradient of window 1 is its last microbatch's alone (scaled): is "
