@@ -10,6 +10,7 @@ strategy (sync.py) and the hook on the model (hooks.py).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -157,8 +158,13 @@ class Accumulator:
         self._stepper = stepping.Stepper(
             self, parts.optimizers, parts.schedulers, scaler, self._window.where_open
         )
-        self._watch = self._block.watch_model()
+        self._block.watch_model()
         self._block.arm()
+        # Given back once: by close(), or where the loop drops the accumulator unclosed
+        # (it is freed at once: its block holds it weakly), so that a dead accumulator's
+        # hooks refuse no later step and DDP is not left deferring its all-reduce.
+        self._release = weakref.finalize(self, _give_back, self._stepper, self._block)
+        self._release.atexit = False
 
     def _strategy_for(self, steps: int) -> SyncStrategy:
         # With steps=1 every microstep is a boundary: nothing is ever deferred.
@@ -416,13 +422,7 @@ class Accumulator:
         the model: it is as it was. Refused (`UsageError`) inside a microstep's block."""
         block.refuse_close(self._window)
         self._life.close()
-        stepper = self._stepper
-        if stepper is not None:  # (given back once)
-            self._stepper = None  # type: ignore[assignment]
-            stepper.release(self)
-            self._strategy.restore()
-            if self._watch is not None:
-                self._watch.remove()
+        self._release()  # (once: a later call gives back nothing)
 
     def __enter__(self) -> Self:
         return self
@@ -437,6 +437,13 @@ class Accumulator:
             f"Accumulator({several}steps={self._steps}, global_step={self._global_step}, "
             f"window={self._window.done}/{self._window.size})"
         )
+
+
+def _give_back(stepper: stepping.Stepper, started: block.Microstep) -> None:
+    """What an accumulator gives back when it is closed or freed: the optimizers' hooks,
+    and the model's sync state and hook."""
+    stepper.release()
+    started.release()
 
 
 def _owners_between_windows(

@@ -9,7 +9,9 @@ window opens, so that a microstep between is a few attribute reads and the backw
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NoReturn
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NoReturn, cast
 
 import torch
 
@@ -41,6 +43,9 @@ class Microstep:
 
     It holds the loss from ``microstep()`` until the block is entered, and the boundary's
     `Step` until it exits; ``idle`` is what every other microstep of the window reports.
+    It holds its accumulator weakly (`acc`), so that an accumulator its loop dropped
+    without `Accumulator.close` (a trainer function that returned, or broke out of its
+    loop) is freed at once, and gives back its hooks and sync state (`release`).
     ``busy`` refuses a new ``microstep()`` (a loss waits for its block, a block is open, or
     the accumulator is closed or broken: ``stopped``); the other attributes are what the
     hot path reads, decided when the accumulator takes a strategy (`use`), what the
@@ -50,7 +55,7 @@ class Microstep:
 
     __slots__ = (
         "__weakref__",  # (the model's hook holds its listeners weakly: hooks.py)
-        "acc",
+        "_acc",
         "armed",
         "arms",
         "busy",
@@ -64,14 +69,18 @@ class Microstep:
         "scaler",
         "step",
         "stopped",
+        "strategy",
         "unit",
         "unit_divisor",
         "watch",
+        "watching",
         "window",
     )
 
     def __init__(self, acc: Accumulator) -> None:
-        self.acc = acc
+        self._acc = cast("Callable[[], Accumulator]", weakref.ref(acc))
+        self.strategy: SyncStrategy = LocalSync()
+        self.watching: hooks.Watch | None = None
         self.window, self.plan, self.grads = acc._window, acc._plan, acc._grads
         self.params = acc._params
         self.scaler = acc._options.scaler
@@ -85,6 +94,11 @@ class Microstep:
         self.unit: torch.Tensor | None = None
         self.unit_divisor = 0
 
+    @property
+    def acc(self) -> Accumulator:
+        """The accumulator (alive while its block is used: it holds the block)."""
+        return self._acc()
+
     def stop(self) -> None:
         """The accumulator takes no more microsteps (closed, or broken)."""
         self.busy = self.stopped = True
@@ -92,7 +106,8 @@ class Microstep:
     def use(self, strategy: SyncStrategy) -> None:
         """The accumulator takes ``strategy``; what it asks of the hot path is decided once,
         here."""
-        self.acc._strategy, self.armed = strategy, None
+        self.acc._strategy = self.strategy = strategy
+        self.armed = None
         self.arms = type(strategy).arm is not LocalSync.arm  # a local module has nothing to arm
         self.watch = strategy.grads_in_params
         self.look = type(strategy).overridden is not SyncStrategy.overridden
@@ -105,12 +120,13 @@ class Microstep:
         sync = self.window.next_is_boundary or self.acc._options.sync == "every"
         if sync is not self.armed:
             self.armed = sync
-            self.acc._strategy.arm(sync)
+            self.strategy.arm(sync)
 
-    def watch_model(self) -> hooks.Watch | None:
-        """The hook on the model, only where something listens (hooks.py): a strategy that
-        sees each forward, a forward's collective failing under several ranks, and the
-        first forward of a model taken for unwrapped on several processes."""
+    def watch_model(self) -> None:
+        """Put the hook on the model (``watching``), only where something listens
+        (hooks.py): a strategy that sees each forward, a forward's collective failing
+        under several ranks, and the first forward of a model taken for unwrapped on
+        several processes."""
         acc = self.acc
         strategy = acc._strategy
         sees = type(strategy).forward_done is not SyncStrategy.forward_done
@@ -121,8 +137,8 @@ class Microstep:
             and not isinstance(acc.model, torch.jit.ScriptModule)  # (which takes no hook)
         )
         if not (sees or guards or unwrapped):
-            return None
-        return hooks.watch(
+            return
+        self.watching = hooks.watch(
             acc.model,
             done=self.forward_done if sees else self.first_forward if unwrapped else None,
             failed=self.forward_failed if guards else None,
@@ -131,7 +147,7 @@ class Microstep:
     def forward_done(self) -> None:
         """After each forward of the model, for a strategy that sees each one
         (`SyncStrategy.forward_done`)."""
-        self.acc._strategy.forward_done()
+        self.strategy.forward_done()
 
     def first_forward(self) -> None:
         """After the first forward under grad mode (a training forward, not an evaluation's)
@@ -141,9 +157,7 @@ class Microstep:
         if not torch.is_grad_enabled():
             return
         acc = self.acc
-        watch, acc._watch = acc._watch, None
-        if watch is not None:
-            watch.remove()
+        self.unwatch()
         ddp = ddp_running_around(acc.model)
         if ddp is not None:
             msg = (
@@ -155,6 +169,17 @@ class Microstep:
                 "accelerator.prepare(model, ...) returns"
             )
             raise UsageError(msg)
+
+    def unwatch(self) -> None:
+        """Take the hook's listeners off the model."""
+        watching, self.watching = self.watching, None
+        if watching is not None:
+            watching.remove()
+
+    def release(self) -> None:
+        """Give back what the accumulator set on the model: its sync state and its hook."""
+        self.strategy.restore()
+        self.unwatch()
 
     def forward_failed(self, error: BaseException) -> None:
         """A forward of the model raised, outside a microstep block (the block's exit sees an
@@ -220,7 +245,7 @@ class Microstep:
                     _wiped_or_changed(self, change)
         try:
             if self.look:
-                actual = self.acc._strategy.overridden()
+                actual = self.strategy.overridden()
                 if actual is not None:
                     _warn_overridden(self.acc, actual)
             divisor, unit = window.divisor, self.unit

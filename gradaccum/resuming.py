@@ -29,6 +29,7 @@ import itertools
 from collections.abc import Iterable, Iterator, Sized
 from typing import Any, TypeVar
 
+import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
 
 from gradaccum import foreign
@@ -128,10 +129,26 @@ def resumed(iterable: Iterable[T], skip: int, *, resumes_run: bool = False) -> I
         iterator = iter(iterable)
         _check_stands_at(iterator, skip)
         return iterator
-    loader = _index_skippable(iterable) if skip else None
-    if loader is not None:
-        return iter(_skipping_loader(loader, skip))
-    return _drawn_and_dropped(iter(iterable), skip)
+    if not skip:
+        return iter(iterable)
+    if isinstance(iterable, DataLoader) and _order_generator(iterable) is None:
+        warn(
+            "resuming mid-epoch over a DataLoader that shuffles with torch's global random "
+            "state (its sampler has no generator): the resumed epoch's order is drawn "
+            "anew, not the interrupted epoch's, so it skips and trains on other "
+            "microbatches than the uninterrupted run; give the DataLoader a generator "
+            "seeded at each epoch's start: DataLoader(data, shuffle=True, generator=order) "
+            "and order.manual_seed(seed + epoch) before each epoch"
+        )
+    # The interrupted run drew what the epoch's start draws from torch's global random
+    # state (a DataLoader's workers' seed, drawn when it makes its iterator) and what its
+    # trained microbatches drew, before the checkpoint's random state was saved: so that
+    # the resumed run draws after that state as the interrupted one did, neither moves it.
+    loader = _index_skippable(iterable)
+    with torch.random.fork_rng(devices=[]):
+        if loader is not None:
+            return iter(_skipping_loader(loader, skip))
+        return _drawn_and_dropped(iter(iterable), skip)
 
 
 def check_workers_seed(iterable: object) -> None:

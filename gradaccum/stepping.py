@@ -72,8 +72,9 @@ class Stepper:
         self._hooks += [
             optimizer.register_load_state_dict_post_hook(self._loaded) for optimizer in optimizers
         ]
+        self._owner = weakref.ref(owner)
         for optimizer in optimizers:
-            _owners[optimizer] = weakref.ref(owner)
+            _owners[optimizer] = self._owner
 
     def unscale(self) -> None:
         """Unscale the window's gradient (once, at its boundary) when there is a scaler."""
@@ -164,12 +165,13 @@ class Stepper:
     def _loaded(self, _: torch.optim.Optimizer) -> None:
         self.reread_schedulers()
 
-    def release(self, owner: object) -> None:
-        """Remove the hooks; the optimizers are no longer owned by ``owner``."""
+    def release(self) -> None:
+        """Remove the hooks; the optimizers are no longer owned by this stepper's owner
+        (where no newer accumulator took them over)."""
         for hook in self._hooks:
             hook.remove()
         for optimizer in self.optimizers:
-            if owner_of(optimizer) is owner:
+            if _owners.get(optimizer) is self._owner:
                 del _owners[optimizer]
 
     def _foreign_step(self, optimizer: torch.optim.Optimizer, *_: object) -> None:

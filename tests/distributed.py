@@ -265,8 +265,9 @@ def fail_mid_window(rank: int, world: int) -> None:
             pass
 
 
-def restore_flags(rank: int, world: int, kind: str) -> list[Any]:
-    """The module's sync flags before, while deferring, and after ``close()``."""
+def restore_flags(rank: int, world: int, kind: str, dropped: bool = False) -> list[Any]:
+    """The module's sync flags before, while deferring, and after ``close()`` (or, with
+    ``dropped``, after the loop dropped the accumulator mid-window, never closed)."""
 
     def flags(model: Any) -> Any:
         if kind == "ddp":
@@ -292,7 +293,10 @@ def restore_flags(rank: int, world: int, kind: str) -> list[Any]:
         if not acc.sync_gradients:
             seen.append(flags(model))
         break
-    acc.close()
+    if dropped:
+        del acc  # (freed at once, without the garbage collector)
+    else:
+        acc.close()
     seen.append(flags(model))
     with gradaccum.no_sync(model):
         seen.append(flags(model))

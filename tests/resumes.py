@@ -52,7 +52,12 @@ class Run:
     several ranks the order comes from a DistributedSampler instead of ``shuffle``. Two
     more, on one process, have two persistent workers: ``"persistent"`` draws its order
     from a RandomSampler's own generator and its workers' seed from another (the fix the
-    guide gives), ``"persistent, shared"`` both from one (refused on resuming).
+    guide gives), ``"persistent, shared"`` both from one (refused on resuming). And two
+    whose DataLoader has no generator, its order drawn from its sampler's own (a
+    RandomSampler's, or on several ranks a DistributedSampler's): ``"no loader
+    generator"`` (index-level skip) and ``"no loader generator, drawn"`` (through a plain
+    generator: drawn and dropped). Such a loader draws its workers' seed from torch's
+    global random state at every iterator, which a mid-epoch resume must not move.
     """
 
     def __init__(
@@ -94,6 +99,13 @@ class Run:
             self.loader: Any = StatefulDataLoader(
                 data, num_workers=2, multiprocessing_context=context, **options
             )
+        elif kind.startswith("no loader generator"):
+            options.update(
+                shuffle=False,
+                sampler=self.sampler or RandomSampler(data, generator=self.generator),
+                generator=None,
+            )
+            self.loader = DataLoader(data, **options)
         elif kind.startswith("persistent"):
             if kind == "persistent":
                 options.update(
@@ -110,7 +122,8 @@ class Run:
         self.generator.manual_seed(SEED + epoch)
         if self.sampler is not None:
             self.sampler.set_epoch(epoch)
-        return batches_of(self.loader) if self.kind == "generator" else self.loader
+        drawn = self.kind in ("generator", "no loader generator, drawn")
+        return batches_of(self.loader) if drawn else self.loader
 
     def save(self) -> bytes:
         """Everything a resume needs, as the guide's checkpoint saves it."""

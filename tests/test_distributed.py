@@ -267,10 +267,16 @@ def test_an_unclosed_accumulator_cannot_stop_the_next_from_reducing(kind: str, s
             assert (got - want).abs().max().item() < TOL
 
 
+@pytest.mark.parametrize("dropped", [False, True], ids=["closed", "dropped"])
 @pytest.mark.parametrize("kind", ["ddp", "fully_shard"])
-def test_flags_are_restored_on_close(kind: str) -> None:
-    """Deferring sets the module's flags; close() and no_sync() put back what they found."""
-    first, deferring, closed, inside, after = run(distributed.restore_flags, 2, kind)[0]
+def test_flags_are_restored_on_close(kind: str, dropped: bool) -> None:
+    """Deferring sets the module's flags; close() and no_sync() put back what they found.
+    So does dropping the accumulator unclosed mid-window (a trainer function that broke
+    out of its loop), which once left DDP deferring: a plain loop after it never
+    all-reduced, and the ranks drifted apart."""
+    first, deferring, closed, inside, after = run(
+        distributed.restore_flags, 2, kind, dropped
+    )[0]
     assert closed == after == first
     assert deferring != first
     assert inside != first

@@ -8,6 +8,7 @@ import importlib.util
 import io
 import re
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -656,11 +657,17 @@ class TestPersistentWorkers:
             resuming.check_workers_seed(loader)
 
 
-@pytest.mark.parametrize("kind", resumes.KINDS)
+@pytest.mark.parametrize(
+    "kind", [*resumes.KINDS, "no loader generator", "no loader generator, drawn"]
+)
 def test_resume_at_every_window_boundary_is_bit_for_bit(kind: str) -> None:
     """Two epochs with dropout and a shuffled loader, checkpointed after every window
     and every epoch, each resumed in fresh objects by the guide's recipe: every resumed
-    run ends with the uninterrupted run's parameters (torch.equal)."""
+    run ends with the uninterrupted run's parameters (torch.equal). A DataLoader without
+    a generator of its own once resumed mid-epoch otherwise: the iterator it made for the
+    resumed epoch drew its workers' seed from torch's global random state, just restored,
+    which the uninterrupted run had drawn before the checkpoint, so every dropout mask
+    after it moved."""
     outcome = resumes.resumed_everywhere(kind)
     assert list(outcome) == resumes.CHECKPOINTS
     assert all(outcome.values()), outcome
@@ -699,6 +706,40 @@ def test_the_recipe_is_needed_whole(run: type[resumes.Run]) -> None:
         torch.equal(p, q)
         for p, q in zip(whole.model.parameters(), resumed.model.parameters(), strict=True)
     )
+
+
+@pytest.mark.parametrize("mid_epoch", [True, False], ids=["mid_epoch", "between_epochs"])
+def test_a_resume_over_a_loader_shuffled_by_the_global_state_is_warned_about(
+    mid_epoch: bool,
+) -> None:
+    """``DataLoader(shuffle=True)`` without a generator draws its order from torch's global
+    random state: a mid-epoch resume draws another order and skips into it, training on
+    other microbatches than the uninterrupted run, which once went unsaid. Between
+    epochs the next epoch is a fresh shuffle either way: nothing to say."""
+    data = TensorDataset(torch.randn(24, 5), torch.randn(24, 1))
+    model = torch.nn.Linear(5, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, optimizer, steps=2)
+    loader = DataLoader(data, batch_size=4, shuffle=True)
+    for x, y in acc.epoch(loader):
+        with acc.microstep((model(x) - y).square().mean()):
+            pass
+        if mid_epoch and acc.global_step == 1:
+            break
+    state = acc.state_dict()
+    resumed = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=2)
+    resumed.load_state_dict(state)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        next(iter(resumed.epoch(loader)))
+    said = [str(warning.message) for warning in caught]
+    if mid_epoch:
+        assert len(said) == 1 and said[0].startswith(
+            "resuming mid-epoch over a DataLoader that shuffles with torch's global random "
+            "state (its sampler has no generator)"
+        ), said
+    else:
+        assert not said
 
 
 def test_the_resume_example_resumes_in_another_process(

@@ -3,6 +3,8 @@ and every watch (foreign steps, zero_grad, scheduler steps) covers each of them.
 
 from __future__ import annotations
 
+import copy
+import gc
 import math
 import warnings
 from typing import Any
@@ -11,7 +13,14 @@ import pytest
 import torch
 
 import gradaccum
-from tests.helpers import make_batches, make_model, mean_loss, split_optimizers
+from tests.helpers import (
+    make_batches,
+    make_model,
+    max_param_diff,
+    mean_loss,
+    reference_sgd,
+    split_optimizers,
+)
 
 
 def parts(dtype: torch.dtype = torch.float64) -> tuple[torch.nn.Module, list[Any], list[Any]]:
@@ -168,6 +177,46 @@ def test_a_new_accumulator_takes_over_every_optimizer_and_close_removes_every_ho
         warnings.simplefilter("error")
         for optimizer in optimizers:
             optimizer.step()  # no longer owned: no warning
+
+
+@pytest.mark.parametrize("mid_window", [False, True], ids=["between_windows", "mid_window"])
+def test_an_accumulator_dropped_unclosed_leaves_no_hook(mid_window: bool) -> None:
+    """A trainer function that returns (or breaks out of its loop) without close(): its
+    accumulator is freed at once, with no garbage collection, and takes its hooks with
+    it. Its step hook once stayed on the optimizer, so that a new accumulator's own
+    steps were refused ("optimizer.step() was called inside an accumulation window") or
+    warned about as steps by hand; the new accumulator trains as the hand loop."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = make_batches([2] * 6)
+
+    def train_a_little() -> None:
+        acc = gradaccum.Accumulator(model, optimizer, steps=2)
+        for index, batch in enumerate(acc.epoch(batches)):
+            if index == 2 + mid_window:
+                return  # an early stop
+            with acc.microstep(mean_loss(model, batch)):
+                pass
+
+    was_collecting = gc.isenabled()
+    gc.disable()
+    try:
+        train_a_little()
+        assert not optimizer._optimizer_step_pre_hooks
+        assert not optimizer._optimizer_load_state_dict_post_hooks
+        start = copy.deepcopy(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            acc = gradaccum.Accumulator(model, optimizer, steps=2)
+            for batch in acc.epoch(batches):
+                with acc.microstep(mean_loss(model, batch)):
+                    pass
+    finally:
+        if was_collecting:
+            gc.enable()
+    assert acc.global_step == 3
+    expected = reference_sgd(start, [batches[i : i + 2] for i in range(0, 6, 2)], lr=0.1)
+    assert max_param_diff(model, expected) < 1e-12
 
 
 def test_a_window_open_on_one_optimizer_refuses_a_new_owner() -> None:
