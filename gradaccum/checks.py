@@ -10,7 +10,7 @@ from typing import Any, Literal, TypeVar, get_args
 
 import torch
 from torch import nn
-from torch.optim.lr_scheduler import ReduceLROnPlateau
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from gradaccum import foreign
 from gradaccum.boundary import params_of
@@ -67,8 +67,7 @@ def check_parts(
     if not isinstance(model, nn.Module):
         msg = f"model must be a torch.nn.Module, got {describe(model)}"
         raise ConfigTypeError(msg)
-    trainable = {id(param) for param in model.parameters() if param.requires_grad}
-    if not trainable:
+    if not any(param.requires_grad for param in model.parameters()):
         msg = (
             f"model ({type(model).__name__}) has no parameter that requires grad, so there "
             "is nothing to accumulate; unfreeze some parameters (requires_grad_(True))"
@@ -76,7 +75,7 @@ def check_parts(
         raise ConfigError(msg)
     named = _entries(optimizer, "optimizer", "a torch.optim.Optimizer")
     optimizers = tuple(_optimizer(value, name, scaler) for name, value in named)
-    _check_holdings(model, trainable, [name for name, _ in named], optimizers)
+    _check_holdings(model, [name for name, _ in named], optimizers)
     return Parts(
         optimizers=optimizers,
         schedulers=_schedulers(scheduler, optimizers, [name for name, _ in named]),
@@ -114,6 +113,12 @@ def _optimizer(value: object, name: str, scaler: object) -> torch.optim.Optimize
                 "and steps with it"
             )
             raise ConfigError(msg)
+    if isinstance(value, (LRScheduler, ReduceLROnPlateau)):
+        msg = (
+            f"{name} is a scheduler ({type(value).__name__}), not an optimizer; pass "
+            "Accumulator(model, optimizer, scheduler), the optimizer first"
+        )
+        raise ConfigTypeError(msg)
     wrapped = getattr(value, "optimizer", None)
     forward = (
         f"; pass the torch optimizer it wraps, {name}.optimizer (a "
@@ -139,17 +144,16 @@ def _optimizer(value: object, name: str, scaler: object) -> torch.optim.Optimize
 
 
 def _check_holdings(
-    model: nn.Module,
-    trainable: set[int],
-    names: list[str],
-    optimizers: tuple[torch.optim.Optimizer, ...],
+    model: nn.Module, names: list[str], optimizers: tuple[torch.optim.Optimizer, ...]
 ) -> None:
-    """Every optimizer holds some of the model's trainable parameters, and no parameter is
-    held by two of them.
+    """Every optimizer holds some of the model's parameters, and no parameter is held by
+    two of them. They may be frozen for now: an optimizer over layers unfrozen later (a
+    backbone's, beside the head's) steps nothing until then, as in a hand loop.
 
     Raises:
         ConfigError: One holds none, or two share a parameter (or are the same object).
     """
+    owned = {id(param) for param in model.parameters()}
     holder: dict[int, int] = {}
     for index, (name, optimizer) in enumerate(zip(names, optimizers, strict=True)):
         for first in range(index):
@@ -160,11 +164,11 @@ def _check_holdings(
                 )
                 raise ConfigError(msg)
         params = params_of((optimizer,))
-        if not any(id(param) in trainable for param in params):
+        if not any(id(param) in owned for param in params):
             several = len(optimizers) > 1
             msg = (
                 f"{name}{f' ({type(optimizer).__name__})' if several else ''} holds none of "
-                "the model's trainable parameters, so no step would change the model; build "
+                "the model's parameters, so no step would change the model; build "
                 f"{'each optimizer on some of' if several else 'it on'} model.parameters()"
             )
             raise ConfigError(msg)
@@ -210,10 +214,18 @@ def _schedulers(
             raise ConfigError(msg)
         return (_scheduler(scheduler, "scheduler", optimizers, 0, names),)
     if len(scheduler) != len(optimizers):
+        n = len(optimizers)
+        several = (
+            "; to run several schedules on one optimizer, chain them into one scheduler: "
+            "torch.optim.lr_scheduler.SequentialLR (one after the other) or ChainedScheduler "
+            "(together)"
+            if len(scheduler) > n
+            else ""
+        )
         msg = (
             f"scheduler has {len(scheduler)} entr{'y' if len(scheduler) == 1 else 'ies'} for "
-            f"{len(optimizers)} optimizers; pass "
-            "one scheduler (or None) per optimizer, in the optimizers' order"
+            f"{n} optimizer{'' if n == 1 else 's'}; pass one scheduler (or None) per "
+            f"optimizer, in the optimizers' order{several}"
         )
         raise ConfigError(msg)
     return tuple(
@@ -238,6 +250,19 @@ def _scheduler(
         msg = (
             f"{name}=ReduceLROnPlateau needs a metric for each step; pass {name}=None and "
             "call its step(metric) yourself after a boundary"
+        )
+        raise ConfigTypeError(msg)
+    if isinstance(scheduler, type):
+        msg = (
+            f"{name} is the class {scheduler.__name__}, not a scheduler; pass one built on "
+            f"the optimizer: {name}={scheduler.__name__}(optimizer, ...)"
+        )
+        raise ConfigTypeError(msg)
+    if isinstance(scheduler, torch.optim.Optimizer):
+        msg = (
+            f"{name} is an optimizer ({type(scheduler).__name__}), not a scheduler: each "
+            "window would step it a second time; pass every optimizer as optimizer= (a "
+            "sequence of them for several) and an LRScheduler, or None, as scheduler="
         )
         raise ConfigTypeError(msg)
     if not callable(getattr(scheduler, "step", None)):

@@ -134,13 +134,23 @@ class Stepper:
         gradient is finite (its own one host sync), which the step pre-hook sees: no read
         of ours. An optimizer that takes the scaler into its step (``fused=True``) is
         always called and skips on the device; there the skip is read as the scale
-        shrinking (two host syncs)."""
+        shrinking (two host syncs). An optimizer with no gradient in the window is not
+        given to the scaler (it would assert "No inf checks were recorded"), and counts
+        as stepped."""
         inside = self._scaled_inside
         scale = scaler.get_scale() if inside else 0.0
         self._stepped = 0
+        checked = False
         for optimizer in self.optimizers:
-            scaler.step(optimizer)
-        scaler.update()
+            if _has_grad(optimizer):
+                scaler.step(optimizer)
+                checked = True
+            else:
+                # No gradient in this window (its layers frozen, or unused): its step would
+                # change nothing, and GradScaler, which found nothing to check, asserts.
+                self._stepped += 1
+        # (With no gradient at all, update() would assert: the scale is kept.)
+        scaler.update(None if checked else scaler.get_scale())
         if inside:
             return scaler.get_scale() < scale  # it shrinks only on a skip
         return not self._stepped
@@ -209,6 +219,13 @@ def learning_rate(optimizer: torch.optim.Optimizer) -> float | torch.Tensor | No
     (which the scheduler changes in place), None when the group has no ``"lr"``."""
     lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
     return lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
+
+
+def _has_grad(optimizer: torch.optim.Optimizer) -> bool:
+    """Some parameter of ``optimizer`` has a gradient (found at the first, as a rule)."""
+    return any(
+        param.grad is not None for group in optimizer.param_groups for param in group["params"]
+    )
 
 
 def _is_zero(lr: object) -> bool:

@@ -286,3 +286,57 @@ def test_a_resume_that_loads_the_optimizer_and_the_scheduler_is_no_step_by_hand(
         acc.microstep(mean_loss(model, batches[1])),
     ):
         pass
+
+
+def _unfreezing(scaled: bool) -> tuple[torch.nn.Module, list[Any], Any]:
+    """A model whose first layer (the "backbone") is frozen for now, with an optimizer of
+    its own beside the head's, and a GradScaler when ``scaled``."""
+    model = make_model(dtype=torch.float32)
+    model[0].requires_grad_(False)
+    optimizers = [
+        torch.optim.SGD(model[2].parameters(), lr=0.1),
+        torch.optim.AdamW(model[0].parameters(), lr=1e-2),
+    ]
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4) if scaled else None
+    return model, optimizers, scaler
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "scaler"])
+def test_an_optimizer_over_layers_frozen_for_now_steps_once_they_are_unfrozen(
+    scaled: bool,
+) -> None:
+    """Progressive unfreezing with the backbone's own optimizer: it was refused as
+    holding none of the model's trainable parameters, and with a GradScaler a window in
+    which it has no gradient crashed inside torch ("No inf checks were recorded for this
+    optimizer") after the head's optimizer had stepped. Now both epochs train bit for bit
+    as the hand loop that steps what has a gradient."""
+    batches = make_batches([4] * 8, dtype=torch.float32)
+    model, optimizers, scaler = _unfreezing(scaled)
+    acc = gradaccum.Accumulator(model, optimizers, steps=2, scaler=scaler)
+    for epoch in range(2):
+        model[0].requires_grad_(epoch == 1)
+        for batch in acc.epoch(batches):
+            with acc.microstep(mean_loss(model, batch)):
+                pass
+    assert acc.global_step == 8
+
+    hand, hand_optimizers, hand_scaler = _unfreezing(scaled)
+    for epoch in range(2):
+        hand[0].requires_grad_(epoch == 1)
+        for index, batch in enumerate(batches):
+            loss = mean_loss(hand, batch) / 2
+            (loss if hand_scaler is None else hand_scaler.scale(loss)).backward()
+            if index % 2 == 0:
+                continue
+            for optimizer in hand_optimizers:
+                has_grad = any(p.grad is not None for p in optimizer.param_groups[0]["params"])
+                if hand_scaler is None:
+                    optimizer.step()
+                elif has_grad:
+                    hand_scaler.step(optimizer)
+            if hand_scaler is not None:
+                hand_scaler.update()
+            for optimizer in hand_optimizers:
+                optimizer.zero_grad()
+    for got, want in zip(model.parameters(), hand.parameters(), strict=True):
+        assert torch.equal(got, want)
