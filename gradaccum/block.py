@@ -578,14 +578,23 @@ def _warn_overridden(acc: Accumulator, actual: bool) -> None:
         else ""
     )
     if strategy.decides_in_forward:
-        cause = (
-            f"the forward of {window.where()} ran while DDP was set to "
-            f"{'all-reduce' if actual else 'defer'} (ahead of its block, or inside a "
-            "no_sync() of your own)"
-        )
+        ahead = "(ahead of its block, or inside a no_sync() of your own)"
+        if actual:
+            cause = f"the forward of {window.where()} ran while DDP was set to all-reduce {ahead}"
+        else:
+            # DDP records its last forward only: one under no_grad (an evaluation) after
+            # the loss's records no all-reduce, whatever the loss's forward prepared.
+            cause = (
+                "the forward DDP ran last prepared no all-reduce: either the forward of "
+                f"{window.where()} ran while DDP was set to defer {ahead}{lost}, or a "
+                "forward under no_grad (an evaluation) ran between it and its block, which "
+                "DDP records in its place, and nothing is wrong"
+            )
+        lost = ""
         fix = (
             "run each microbatch's forward right before its `with acc.microstep(loss):` "
-            "block, outside any no_sync(): the accumulator sets DDP's flag itself"
+            "block, outside any no_sync(), and evaluations before it or after the block: "
+            "the accumulator sets DDP's flag itself"
         )
     else:
         cause = (
