@@ -11,9 +11,10 @@ about 9,000 instructions); the listeners are kept here, keyed by the model's ``i
 held weakly, not on the model. So a ``copy.deepcopy`` of the model (an EMA copy,
 ``AveragedModel``) or a pickled one (``torch.save(model)``) holds only a reference to
 this function, which does nothing for a model it was not registered for, and
-``torch.compile`` of the model does not trace it (it runs around the compiled call) nor
-sees a new type or attribute per accumulator. The last listener's removal removes the
-hook: the model is as it was.
+``torch.compile`` of the model sees no new type or attribute per accumulator; where the
+hook is traced into a compiled forward (``model.compile()`` in place, or a compiled module
+that holds the model), it does nothing there, so ``fullgraph=True`` compiles. The last
+listener's removal removes the hook: the model is as it was.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -49,6 +51,11 @@ def _after_forward(model: nn.Module, _: object, output: object) -> None:
     # Called after every forward, and with no output (None) when the forward raised: its
     # error is then the exception being handled. (A forward that returns None from inside
     # an `except` block of the caller's would look the same; no model of a loss does.)
+    # Traced into a compiled forward (`model.compile()`, or torch.compile of a module that
+    # holds this one), it is nothing: dynamo cannot trace the weak references, which
+    # failed `fullgraph=True`, and what listens is a diagnosis, not the training.
+    if torch.compiler.is_compiling():
+        return
     watched = _watched.get(id(model))
     if watched is None:
         return

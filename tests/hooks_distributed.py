@@ -335,3 +335,31 @@ def wrapped_after(rank: int, world: int) -> dict[str, Any]:
         }
         acc.close()
     return found
+
+
+def fullgraph_compiled(rank: int, world: int) -> dict[str, str]:
+    """A plain model on several ranks (which carries the hook until its first training
+    forward), compiled with ``fullgraph=True`` in place before the Accumulator or by
+    ``torch.compile`` after it, where the hook is traced into the compiled forward: how
+    two windows went."""
+    torch._dynamo.reset()
+    found = {}
+    for how in ("model.compile() before", "torch.compile after"):
+        model = make_model()
+        if how == "model.compile() before":
+            model.compile(backend="eager", fullgraph=True)
+        acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=2)
+        runs = (
+            model
+            if how == "model.compile() before"
+            else torch.compile(model, backend="eager", fullgraph=True)
+        )
+        try:
+            for batch in acc.epoch(rank_batches(rank, [2] * 4)):
+                with acc.microstep(mean_loss(runs, batch)):
+                    pass
+            found[how] = f"global_step {acc.global_step}"
+        except Exception as error:  # (what went wrong is the outcome)
+            found[how] = f"{type(error).__name__}: {error}"[:300]
+        acc.close()
+    return found

@@ -320,3 +320,15 @@ def test_a_model_wrapped_in_ddp_after_the_accumulator_is_refused_at_its_first_fo
         assert alone["trained"]
         scripted = rank["scripted"]  # a ScriptModule takes no hook: it is not looked at
         assert (scripted["error"], scripted["global_step"], scripted["trained"]) == (None, 2, True)
+
+
+def test_a_plain_model_compiled_with_fullgraph_on_several_ranks_trains() -> None:
+    """On several ranks a plain model carries gradaccum's hook until its first training
+    forward; traced into a ``fullgraph=True`` compiled forward (``model.compile()`` in
+    place, or ``torch.compile`` of the model after the Accumulator), it once failed the
+    compilation (dynamo cannot call its weak references). It does nothing there now."""
+    for rank in run(hooks_distributed.fullgraph_compiled, 2):
+        assert rank == {
+            "model.compile() before": "global_step 2",
+            "torch.compile after": "global_step 2",
+        }, rank

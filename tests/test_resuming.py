@@ -734,7 +734,8 @@ def test_a_resume_over_a_loader_shuffled_by_the_global_state_is_warned_about(
         next(iter(resumed.epoch(loader)))
     said = [str(warning.message) for warning in caught]
     if mid_epoch:
-        assert len(said) == 1 and said[0].startswith(
+        assert len(said) == 1, said
+        assert said[0].startswith(
             "resuming mid-epoch over a DataLoader that shuffles with torch's global random "
             "state (its sampler has no generator)"
         ), said
