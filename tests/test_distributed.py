@@ -274,9 +274,7 @@ def test_flags_are_restored_on_close(kind: str, dropped: bool) -> None:
     So does dropping the accumulator unclosed mid-window (a trainer function that broke
     out of its loop), which once left DDP deferring: a plain loop after it never
     all-reduced, and the ranks drifted apart."""
-    first, deferring, closed, inside, after = run(
-        distributed.restore_flags, 2, kind, dropped
-    )[0]
+    first, deferring, closed, inside, after = run(distributed.restore_flags, 2, kind, dropped)[0]
     assert closed == after == first
     assert deferring != first
     assert inside != first
