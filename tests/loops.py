@@ -395,6 +395,27 @@ def with_dropout() -> nn.Module:
     return nn.Sequential(first, nn.Dropout(0.1), tanh, last)
 
 
+def with_batch_norm() -> nn.Module:
+    """`make_model`'s layers with a batch norm after the first: per microbatch, as the
+    reference computes each microbatch."""
+    first, tanh, last = make_model()
+    return nn.Sequential(first, nn.BatchNorm1d(7, dtype=torch.float64), tanh, last)
+
+
+def sync_batch_norm_seen(training: bool) -> dict[str, str]:
+    """What `Observed` records of one forward of `with_batch_norm`'s model converted to
+    a SyncBatchNorm, on this process's ranks (in training mode, or eval): its forward
+    pre-hook runs before the SyncBatchNorm, which refuses a CPU input under a group."""
+    from gradaccum.testing.counting import CollectiveCounter
+    from gradaccum.testing.observed import Observed
+
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(with_batch_norm()).train(training)
+    observed = Observed(model, [sgd(model.parameters())], CollectiveCounter())
+    with observed, contextlib.suppress(ValueError):  # (SyncBatchNorm wants a GPU here)
+        model(torch.randn(2, 5, dtype=torch.float64))
+    return observed.not_per_item
+
+
 class FunctionalDropout(nn.Module):
     """`make_model`'s layers with ``F.dropout(p)`` after the first in its own ``forward``
     (training mode): random, and no module shows it."""
@@ -513,6 +534,17 @@ def checks(rank: int, world: int) -> dict[str, Any]:
         "nanogpt_autocast": nanogpt_check(world=world, autocast=torch.bfloat16),
         "dropout": check(hand_loop, make_model=with_dropout, **ddp),
         "functional_dropout": check(hand_loop, make_model=FunctionalDropout, **ddp),
+        "batch_norm": check_accumulation(
+            with_batch_norm,
+            sgd,
+            hand_loop,
+            [rank_batches(each, [2] * 13) for each in range(world)],  # (no 1-row batch)
+            mean_loss,
+            steps=STEPS,
+            **ddp,
+        ),
+        "sync_batch_norm": sync_batch_norm_seen(training=True),
+        "sync_batch_norm_eval": sync_batch_norm_seen(training=False),
         "zero_every_microstep": check(
             functools.partial(hand_loop, zero_every_microstep=True), **ddp
         ),

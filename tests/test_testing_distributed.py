@@ -238,6 +238,18 @@ def test_dropout_under_ddp_is_named_as_the_cause() -> None:
         )
 
 
+def test_a_batch_norm_under_ddp_passes_and_a_sync_batch_norm_is_named() -> None:
+    """A right DDP loop on a model with a batch norm in training mode passes: each rank
+    normalizes each microbatch by its own statistics, as the reference computes each
+    microbatch alone. A SyncBatchNorm over the 2 ranks, whose statistics span them, is
+    named (in training mode only: in eval mode it uses its running statistics)."""
+    for report in checked("batch_norm"):
+        assert report.ok, report
+        assert report.max_grad_diff <= TOL
+    assert checked("sync_batch_norm") == [{"1": "SyncBatchNorm over 2 ranks"}] * 2
+    assert checked("sync_batch_norm_eval") == [{}] * 2
+
+
 def test_a_functional_dropout_under_ddp_is_named_as_the_cause() -> None:
     """A right DDP loop on a model whose forward calls ``F.dropout`` (no module shows it):
     the report says first that two forwards of a microbatch differ."""

@@ -14,7 +14,7 @@ import torch
 import gradaccum
 from gradaccum.testing import check_accumulation, expected_windows
 from gradaccum.testing.counting import KINDS, in_words
-from gradaccum.testing.diagnosis import blind_spots, unclipped_factor
+from gradaccum.testing.diagnosis import blind_spots, not_per_item_problem, unclipped_factor
 from tests import loops
 from tests.helpers import make_batches, make_model, mean_loss, sum_loss
 
@@ -321,41 +321,79 @@ def with_middle(middle: Any, argument: float) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize(
-    ("middle", "argument", "active"),
+    ("middle", "argument", "divisor", "first"),
     [
-        (torch.nn.Dropout, 0.1, "Dropout(p=0.1) at '1'"),
-        (torch.nn.BatchNorm1d, 7, "BatchNorm1d at '1'"),
-        (torch.nn.Dropout, 0.0, None),
-        (torch.nn.LayerNorm, 7, None),
+        (
+            torch.nn.Dropout,
+            0.1,
+            4,
+            "the model's forwards ran Dropout(p=0.1) at '1' in training mode, whose output "
+            "the reference cannot reproduce (dropout draws its own masks), so its gradients "
+            "cannot match the reference's whatever the loop: build the model for the check "
+            "(make_model's, and what wrap makes of it) without them (dropout 0)",
+        ),
+        (torch.nn.BatchNorm1d, 7, 4, None),
+        (
+            torch.nn.BatchNorm1d,
+            7,
+            1,
+            "the gradient of window 1 is 4.00x the reference's: is the loss divided by steps?",
+        ),
+        (torch.nn.SyncBatchNorm, 7, 4, None),
+        (torch.nn.Dropout, 0.0, 4, None),
+        (torch.nn.LayerNorm, 7, 4, None),
     ],
-    ids=["dropout", "batch_norm", "dropout_0", "layer_norm"],
+    ids=[
+        "dropout",
+        "batch_norm",
+        "batch_norm_not_divided",
+        "sync_batch_norm_one_process",
+        "dropout_0",
+        "layer_norm",
+    ],
 )
 def test_a_model_that_is_not_per_item_is_named_as_the_cause(
-    middle: Any, argument: float, active: str | None
+    middle: Any, argument: float, divisor: int, first: str | None
 ) -> None:
-    """A right loop on a model with dropout, or a batch norm, in training mode: its
-    gradients cannot match one big batch's, which once read as a wrong loop ("off the
-    float64 big-batch reference by ..."); the report now says first which module makes
-    the check impossible, and how to build the model for it. Dropout 0 and a per-item
-    norm pass."""
+    """A right loop on a model with dropout in training mode: its gradients cannot match
+    the reference's, which once read as a wrong loop ("off the float64 big-batch
+    reference by ..."); the report now says first which module makes the check
+    impossible, and how to build the model for it. Dropout 0 and a per-item norm pass,
+    and so does a batch norm in training mode: the reference computes each microbatch's
+    loss alone, so it normalizes each by its own statistics as the trainer does (it was
+    once named as the cause, next to gradients matched to 1e-14); a wrong loop on it is
+    named by its own mistake. A SyncBatchNorm on one process is a plain batch norm."""
     report = check_accumulation(
         functools.partial(with_middle, middle, argument),
         loops.sgd,
-        loops.hand_loop,
+        functools.partial(loops.hand_loop, divisor=divisor),
         [make_batches([2] * 13)],  # (a batch norm refuses a microbatch of one row)
         mean_loss,
         steps=4,
     )
-    if active is None:
+    if first is None:
         assert report.ok, report
+        assert report.max_grad_diff <= TOL
         return
-    assert report.problems[0] == (
-        f"the model's forwards ran {active} in training mode, whose output is not the same "
-        "for a microbatch alone as inside one big batch (dropout draws its own masks, a "
-        "batch norm normalizes by the microbatch's statistics), so its gradients cannot "
-        "match the reference's whatever the loop: build make_model's model for the check "
-        "without them (dropout 0; a per-item norm such as LayerNorm or GroupNorm, or the "
-        "batch norm in eval mode)"
+    assert report.problems[0] == first
+
+
+def test_a_sync_batch_norm_over_several_ranks_is_named() -> None:
+    """A SyncBatchNorm over several ranks normalizes by every rank's microbatch, which the
+    reference, each microbatch alone, cannot: it is named, with the plain batch norm as
+    the fix (the 2-rank forward it is seen in: test_testing_distributed.py)."""
+    assert not_per_item_problem(
+        {"module.1": "SyncBatchNorm over 2 ranks", "module.3": "Dropout(p=0.1)"}
+    ) == (
+        "the model's forwards ran SyncBatchNorm over 2 ranks at 'module.1', Dropout(p=0.1) "
+        "at 'module.3' in training mode, whose output the reference cannot reproduce "
+        "(dropout draws its own masks; a SyncBatchNorm normalizes by the statistics of "
+        "every rank's microbatch, which the reference, computing each microbatch alone, "
+        "never sees), so its gradients cannot match the reference's whatever the loop: "
+        "build the model for the check (make_model's, and what wrap makes of it) without "
+        "them (dropout 0; a plain BatchNorm instead of the SyncBatchNorm (it normalizes "
+        "each microbatch by its own statistics, as the reference does), or the norm in "
+        "eval mode)"
     )
 
 

@@ -277,19 +277,45 @@ def _factor_hint(scale: float, length: int, steps: int, world: int) -> str | Non
 
 
 def not_per_item_problem(active: dict[str, str]) -> str:
-    """The trainer's forwards ran modules that make a microbatch's gradient other than its
-    share of one big batch's (``active``: their names and what they are), so the check
-    cannot compare them: dropout draws masks the reference cannot draw, and a batch norm
-    in training mode normalizes by each microbatch's own statistics."""
+    """The trainer's forwards ran modules whose output the reference cannot reproduce
+    (``active``: their names and what they are), so the check cannot compare them: a
+    dropout draws masks the reference cannot draw, and a `SyncBatchNorm` over several
+    ranks normalizes by statistics over every rank's microbatch, where the reference
+    computes each microbatch's loss alone. A plain batch norm is not one of them: it
+    normalizes each microbatch by its own statistics, in the trainer as in the
+    reference, so it is checked like any other layer."""
     names = [f"{kind} at {name!r}" for name, kind in active.items()]
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    synced = any(kind.startswith("SyncBatchNorm") for kind in active.values())
+    dropped = any(not kind.startswith("SyncBatchNorm") for kind in active.values())
+    why = [
+        *(["dropout draws its own masks"] if dropped else []),
+        *(
+            [
+                "a SyncBatchNorm normalizes by the statistics of every rank's microbatch, "
+                "which the reference, computing each microbatch alone, never sees"
+            ]
+            if synced
+            else []
+        ),
+    ]
+    fixes = [
+        *(["dropout 0"] if dropped else []),
+        *(
+            [
+                "a plain BatchNorm instead of the SyncBatchNorm (it normalizes each "
+                "microbatch by its own statistics, as the reference does), or the norm in "
+                "eval mode"
+            ]
+            if synced
+            else []
+        ),
+    ]
     return (
-        f"the model's forwards ran {shown} in training mode, whose output is not the "
-        "same for a microbatch alone as inside one big batch (dropout draws its own "
-        "masks, a batch norm normalizes by the microbatch's statistics), so its gradients "
-        "cannot match the reference's whatever the loop: build make_model's model for the "
-        "check without them (dropout 0; a per-item norm such as LayerNorm or GroupNorm, or "
-        "the batch norm in eval mode)"
+        f"the model's forwards ran {shown} in training mode, whose output the reference "
+        f"cannot reproduce ({'; '.join(why)}), so its gradients cannot match the "
+        "reference's whatever the loop: build the model for the check (make_model's, and "
+        f"what wrap makes of it) without them ({'; '.join(fixes)})"
     )
 
 

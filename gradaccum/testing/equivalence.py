@@ -250,8 +250,10 @@ def check_accumulation(
     stepped with the hyperparameters the trainer's held at that window's step (its
     implementation flags, ``foreach``, ``fused``, ``capturable``, ``differentiable``,
     kept). ``make_scheduler``'s schedulers are only counted: each must step once per
-    window. Model and loss must be deterministic (no dropout, no batch norm): one big
-    batch equals the microbatches only for per-item losses.
+    window. Model and loss must be deterministic (no dropout) and each microbatch's loss
+    its own (no SyncBatchNorm over several ranks): the reference computes each
+    microbatch's loss alone, so a plain batch norm, which normalizes each microbatch by
+    its own statistics, is checked as the trainer runs it.
 
     Each window's gradient is compared with the reference's, then the parameters after
     it; a problem names the likely mistake where what was seen shows one: a gradient a
@@ -573,7 +575,7 @@ class _Run:
     largest: float  # the largest entry (or norm, with gradients == "norm") compared
     autocast: str | None  # the dtype of the autocast that set the precision, if one did
     computed: str | None  # else the dtype in the forwards' graph that set it, if one did
-    not_per_item: dict[str, str]  # the dropouts and batch norms active in its forwards
+    not_per_item: dict[str, str]  # the dropouts and synced batch norms in its forwards
     left_over: bool  # forwards after the last step left a gradient in the parameters
     random_forward: bool  # off the reference, and two forwards of a microbatch differ
 

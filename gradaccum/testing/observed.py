@@ -143,8 +143,12 @@ class Observed:
             graph of the model's outputs carries, looked at in its first few training
             forwards (`graph_dtypes`): an autocast inside ``forward`` itself, as
             Accelerate's ``mixed_precision`` puts one there, or a cast.
-        not_per_item: The modules that made a forward other than one big batch's, by
-            name: a dropout with ``p > 0`` or a batch norm, in training mode.
+        not_per_item: The modules whose output the reference cannot reproduce, by name:
+            a dropout with ``p > 0`` (its masks are its own draws), or a `SyncBatchNorm`
+            over several ranks (its statistics span every rank's microbatch), in
+            training mode. A plain batch norm is not one: it normalizes each microbatch
+            by its own statistics, as the reference, which computes each microbatch's
+            loss alone, does too.
         forwards_after: The model's forwards under grad mode since the last optimizer step
             (all of them, before the first).
         dtype: The parameters' floating-point dtype (the first's; float64 without one).
@@ -175,7 +179,7 @@ class Observed:
         self._suspects = [
             (name, module)
             for name, module in unwrap(model).named_modules()
-            if isinstance(module, (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm))
+            if isinstance(module, (nn.modules.dropout._DropoutNd, nn.SyncBatchNorm))
         ]
         self._device = next((p.device.type for p in model.parameters()), "cpu")
         self._hooks = ExitStack()
@@ -202,10 +206,15 @@ class Observed:
         if torch.is_autocast_enabled(self._device):
             self.autocast.add(torch.get_autocast_dtype(self._device))
         for name, module in self._suspects:
-            p = getattr(module, "p", None)  # a dropout's; a batch norm has none
-            if module.training and p != 0:
-                kind = type(module).__name__
-                self.not_per_item.setdefault(name, kind if p is None else f"{kind}(p={p})")
+            if not module.training:
+                continue
+            kind = type(module).__name__
+            if isinstance(module, nn.SyncBatchNorm):
+                ranks = _sync_ranks(module)
+                if ranks > 1:
+                    self.not_per_item.setdefault(name, f"{kind} over {ranks} ranks")
+            elif (p := getattr(module, "p", 0)) != 0:
+                self.not_per_item.setdefault(name, f"{kind}(p={p})")
 
     def _forward_done(self, _: nn.Module, __: object, output: object) -> None:
         if self._looks and torch.is_grad_enabled():
@@ -269,6 +278,17 @@ class Observed:
             [float(group["lr"]) for groups in steps for group in groups if "lr" in group]
             for steps in zip(*self.hyperparameters, strict=False)
         ]
+
+
+def _sync_ranks(module: nn.SyncBatchNorm) -> int:
+    """The ranks a training `SyncBatchNorm`'s statistics span: those of its process group
+    (the world's by default), or 1 with none up, where it is a plain batch norm (as torch
+    decides, in its forward)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(module.process_group or dist.group.WORLD)
 
 
 def flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
