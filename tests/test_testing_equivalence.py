@@ -397,6 +397,96 @@ def test_a_sync_batch_norm_over_several_ranks_is_named() -> None:
     )
 
 
+def cast_loss(model: Any, batch: Any, to: torch.dtype = torch.float32) -> torch.Tensor:
+    """`mean_loss` on inputs cast to the fixed dtype ``to``, as ``x.float() / 255`` on
+    image bytes casts them."""
+    inputs, targets = batch
+    return (model(inputs.to(to)) - targets).square().mean()
+
+
+class CastsInput(torch.nn.Module):
+    """`make_model`'s layers in float32, its ``forward`` casting the input to float32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = make_model(dtype=torch.float32)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.inner(inputs.float())  # type: ignore[no-any-return]
+
+
+def loss_loop(
+    model: Any, optimizer: Any, scheduler: Any, batches: Any, *, loss: Any, divisor: int
+) -> None:
+    """The hand loop of ``loss``, each microbatch's loss divided by ``divisor``."""
+    for index, batch in enumerate(batches):
+        (loss(model, batch) / divisor).backward()
+        if (index + 1) % 4 == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("where", ["loss", "forward"])
+@pytest.mark.parametrize("divisor", [4, 1], ids=["right", "not_divided"])
+def test_a_cast_to_float32_is_checked_by_a_float32_reference(where: str, divisor: int) -> None:
+    """A float32 model whose loss, or forward, casts its input to float32: the float64
+    reference once crashed inside torch ("mat1 and mat2 must have the same dtype") after
+    the trainer ran. The first microbatch's loss is now tried on the float64 copy first;
+    it raises, so the reference runs in the parameters' dtype, which the report notes, at
+    float32's tolerance: a right loop passes, a wrong one is named by its mistake."""
+    model = CastsInput if where == "forward" else functools.partial(make_model, dtype=torch.float32)
+    loss = mean_loss if where == "forward" else cast_loss
+    report = check_accumulation(
+        model,
+        loops.sgd,
+        functools.partial(loss_loop, loss=loss, divisor=divisor),
+        [make_batches([1, 3, 2, 4, 2, 1, 3, 3, 2, 1, 4, 2, 2], dtype=torch.float32)],
+        loss,
+        steps=4,
+    )
+    assert (report.reference, report.tolerance) == ("float32", 1e-4)
+    assert (
+        "  the reference ran in float32: the loss or the model's forward does not run in "
+        "float64 (it casts to a fixed dtype)"
+    ) in repr(report).splitlines()
+    if divisor == 4:
+        assert report.ok, report
+        return
+    assert report.problems == [
+        "the gradient of window 1 is 4.00x the reference's: is the loss divided by steps?",
+        report.problems[1],
+    ]
+    assert report.problems[1].startswith("parameters off the float32 big-batch reference by")
+
+
+def test_a_loss_the_reference_cannot_run_is_refused_before_training() -> None:
+    """A loss that casts to a dtype neither the float64 copy nor a float32 one runs in
+    (float16 inputs to a float32 model) is refused up front, naming what raised and the
+    fix, before the trainer runs a step."""
+    trained = []
+    with pytest.raises(gradaccum.ConfigError) as caught:
+        check_accumulation(
+            functools.partial(make_model, dtype=torch.float32),
+            loops.adamw,
+            lambda *args: trained.append(args),
+            [make_batches([2] * 8, dtype=torch.float32)],
+            functools.partial(cast_loss, to=torch.float16),
+            steps=4,
+        )
+    assert trained == []
+    message = str(caught.value)
+    assert message.startswith(
+        "the reference cannot run make_model's model and the loss: loss(model, "
+        "batches[0][0]) on its copy on the CPU in float64 raised RuntimeError: "
+    )
+    assert ", then in float32 raised RuntimeError: " in message
+    assert message.endswith(
+        "The reference trains a copy in float64, or else in the trainer's parameters' "
+        "dtype, so a cast in the loss or the model's forward must follow the parameters' "
+        "dtype rather than a fixed one: x.to(next(model.parameters()).dtype), not x.float()"
+    )
+
+
 def test_blind_spots_of_the_ranks_item_counts() -> None:
     """Two ranks whose windows hold as many items each (though their microbatches differ):
     a loop that divides by its own rank's items would pass; other counts show it."""

@@ -3,8 +3,9 @@
 `check_accumulation` runs the user's own loop (any wrapping, with or without the
 `Accumulator`, one optimizer or several), reads what its optimizers held at each step
 (their hyperparameters, the full gradient) and compares the gradient each step saw and
-the parameters after it with an unwrapped float64 copy of the model trained on one big
-batch per window at those hyperparameters; it counts the optimizer and scheduler steps
+the parameters after it with an unwrapped float64 copy of the model (in the parameters'
+dtype where the loss or the forward casts to a fixed one) trained on one big batch per
+window at those hyperparameters; it counts the optimizer and scheduler steps
 and the collectives of each window. One call, one report to assert on.
 """
 
@@ -119,7 +120,8 @@ class AccumulationReport:
             those of the one farthest from ``expected_steps``).
         scheduler_steps: ``scheduler.step()`` calls, alike, or None without a scheduler.
         max_abs_diff: The largest gap, over every window, parameter and rank, between
-            the trained parameters and the float64 reference (NaN if one was NaN).
+            the trained parameters and the reference, float64 unless ``reference`` says
+            otherwise (NaN if one was NaN).
         worst_window: The window (from 1) where it occurred, or None.
         max_grad_diff: The largest gap, over every window and rank, between the
             gradient the trainer's optimizers saw at their step and the reference
@@ -149,6 +151,10 @@ class AccumulationReport:
             the parameters' precision that their autograd graph carries: an autocast
             inside the model's ``forward`` (Accelerate's ``mixed_precision`` puts one
             there) or a cast; the default tolerance is that dtype's. None otherwise.
+        reference: The dtype the reference trained in: ``"float64"``, or the trainer's
+            parameters' (``"float32"``) where make_model's model and the loss do not run
+            in float64 (they cast to a fixed dtype, ``x.float()``); the tolerance is the
+            trainer's dtype's either way.
     """
 
     steps: int
@@ -172,6 +178,7 @@ class AccumulationReport:
     blind_spots: list[str] = field(default_factory=list)
     autocast: str | None = None
     computed: str | None = None
+    reference: str = "float64"
 
     @property
     def ok(self) -> bool:
@@ -205,6 +212,14 @@ class AccumulationReport:
             f"|param - reference| {self.max_abs_diff:.1e} (tolerance {self.tolerance:.0e}{amp}); "
             f"per window: {self.per_window}",
             f"  the reference stepped with the hyperparameters the trainer's optimizers held{lr}",
+            *(
+                [
+                    f"  the reference ran in {self.reference}: the loss or the model's forward "
+                    "does not run in float64 (it casts to a fixed dtype)"
+                ]
+                if self.reference != "float64"
+                else []
+            ),
             *(f"  not seen with these batches: {spot}" for spot in self.blind_spots),
         ]
         return "\n".join(lines)
@@ -241,8 +256,10 @@ def check_accumulation(
     ends once every optimizer has stepped, where the full parameters are read and the
     collectives of the window counted with a `CollectiveCounter`.
 
-    Then an unwrapped copy, ``make_model()`` in float64 on the CPU, starting from the
-    wrapped model's parameters before training, is trained with its own
+    Then an unwrapped copy, ``make_model()`` in float64 on the CPU (or, where its first
+    microbatch's loss does not run in float64, as when the loss or the forward casts to
+    ``float32``, in the trainer's parameters' dtype, which the report notes), starting
+    from the wrapped model's parameters before training, is trained with its own
     ``make_optimizer`` on one big batch per window, as `expected_windows` cuts each
     epoch: the mean of the mean losses of every rank's microbatches of the window, or
     with ``num_items`` their summed losses over their total items; clipped to
@@ -578,21 +595,22 @@ class _Run:
     not_per_item: dict[str, str]  # the dropouts and synced batch norms in its forwards
     left_over: bool  # forwards after the last step left a gradient in the parameters
     random_forward: bool  # off the reference, and two forwards of a microbatch differ
+    reference: str  # the dtype the reference ran in ("float64", or the parameters')
 
 
 def _run_on_rank(rank: int, world: int, setup: _Setup) -> _Run:
     return _run(setup, rank)
 
 
-def _to64(batch: Batch) -> Batch:
-    """``batch`` with its floating-point tensors in float64 on the CPU (any nesting of
+def _cast(batch: Batch, dtype: torch.dtype) -> Batch:
+    """``batch`` with its floating-point tensors in ``dtype`` on the CPU (any nesting of
     tuples, lists and dicts)."""
     if isinstance(batch, torch.Tensor):
-        return batch.to("cpu", torch.float64) if batch.is_floating_point() else batch.cpu()
+        return batch.to("cpu", dtype) if batch.is_floating_point() else batch.cpu()
     if isinstance(batch, (tuple, list)):
-        return type(batch)(_to64(item) for item in batch)
+        return type(batch)(_cast(item, dtype) for item in batch)
     if isinstance(batch, dict):
-        return {key: _to64(value) for key, value in batch.items()}
+        return {key: _cast(value, dtype) for key, value in batch.items()}
     return batch
 
 
@@ -610,9 +628,10 @@ def _run(setup: _Setup, rank: int) -> _Run:
     scheduler = setup.make_scheduler(made) if setup.make_scheduler is not None else None
     schedulers = _schedulers(scheduler, len(optimizers))
     start = full_params(wrapped)
-    reference = _Reference(setup, start)  # refuses a model whose parameters it cannot match
     counter = CollectiveCounter()
     observed = Observed(wrapped, optimizers, counter)
+    # Refuses a model whose parameters it cannot match, or that it cannot run.
+    reference = _Reference(setup, start, observed.dtype)
     after: list[list[torch.Tensor]] = []
 
     def window_closed() -> None:
@@ -656,6 +675,7 @@ def _run(setup: _Setup, rank: int) -> _Run:
         lambda index: reference.microbatches_alone(
             index, windows[index - 1].params if index else start
         ),
+        str(reference.dtype).removeprefix("torch."),
     )
     several = len(optimizers) > 1
     off = grad_problem is not None or not worst <= tolerance
@@ -683,6 +703,7 @@ def _run(setup: _Setup, rank: int) -> _Run:
         not_per_item=observed.not_per_item,
         left_over=observed.forwards_after > 0 and _left_over(wrapped),
         random_forward=drawn,
+        reference=str(reference.dtype).removeprefix("torch."),
     )
 
 
@@ -729,6 +750,7 @@ def _compare_gradients(
     tolerance: float,
     world: int,
     microbatches_alone: Callable[[int], list[list[torch.Tensor]]],
+    reference: str = "float64",
 ) -> tuple[float, int | None, tuple[int, str] | None]:
     """The largest gap between each window's gradient and the reference's, its window,
     and what the first window off the reference shows (``microbatches_alone(index)``:
@@ -778,6 +800,7 @@ def _compare_gradients(
                 clipped=(norm, max_norm) if max_norm is not None and norm > max_norm else None,
                 # (A loop that stepped the dropped microbatches is named by its step count.)
                 dropped_before=0 if extra else setup.dropped_before(index + 1),
+                reference=reference,
             )
             problem = (index + 1, text)
         previous = got
@@ -825,9 +848,18 @@ class _Window:
 
 
 class _Reference:
-    """The unwrapped float64 copy of the model, trained one big batch per window."""
+    """The unwrapped copy of the model on the CPU, trained one big batch per window: in
+    float64, or in ``fallback`` (the trainer's parameters' dtype) where make_model's model
+    and the loss do not run in float64 (a cast to a fixed dtype, ``x.float()``, in the
+    loss or the forward), so that such a model is checked rather than crashed on after
+    the trainer ran; ``dtype`` is the one it runs in.
 
-    def __init__(self, setup: _Setup, start: list[torch.Tensor]) -> None:
+    Raises:
+        ConfigError: The wrapped model's parameters are not make_model's, or the first
+            microbatch's loss raises in float64 and in ``fallback``.
+    """
+
+    def __init__(self, setup: _Setup, start: list[torch.Tensor], fallback: torch.dtype) -> None:
         self.setup = setup
         self.model = setup.make_model().to("cpu", torch.float64)
         params = list(self.model.parameters())
@@ -839,8 +871,40 @@ class _Reference:
                 "parameters and their order"
             )
             raise ConfigError(msg)
-        self._load(start)
-        self.data = [[_to64(batch) for batch in mine] for mine in setup.batches]
+        raised: list[tuple[torch.dtype, Exception]] = []
+        for dtype in dict.fromkeys((torch.float64, fallback)):
+            self.dtype = dtype
+            self.model.to(dtype)
+            self._load(start)
+            self.data = [[_cast(batch, dtype) for batch in mine] for mine in setup.batches]
+            error = self._first_loss()
+            if error is None:
+                return
+            raised.append((dtype, error))
+        tried = ", then ".join(
+            f"in {str(dtype).removeprefix('torch.')} raised {type(error).__name__}: "
+            f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+            for dtype, error in raised
+        )
+        msg = (
+            "the reference cannot run make_model's model and the loss: loss(model, "
+            f"batches[0][0]) on its copy on the CPU {tried}. The reference trains a copy "
+            "in float64, or else in the trainer's parameters' dtype, so a cast in the loss "
+            "or the model's forward must follow the parameters' dtype rather than a fixed "
+            "one: x.to(next(model.parameters()).dtype), not x.float()"
+        )
+        raise ConfigError(msg) from raised[-1][1]
+
+    def _first_loss(self) -> Exception | None:
+        """What the first microbatch's loss raises on the model as it is, or None: under a
+        forked random state and no grad, before the trainer runs, so nothing it draws
+        moves and nothing is half done when the model cannot run here."""
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            try:
+                self.setup.loss(self.model, self.data[0][0])
+            except Exception as error:  # (whatever the user's code raises, named)
+                return error
+        return None
 
     def _load(self, values: list[torch.Tensor]) -> None:
         """Set the model's parameters to ``values``."""
@@ -894,7 +958,7 @@ class _Reference:
                 if step < len(seen):
                     apply_hyperparameters(optimizer, seen[step], step)
                 optimizer.step()
-            yield _Window([param.detach().clone() for param in params], grad, raw)
+            yield _Window([cpu64(param) for param in params], grad, raw)
 
 
 def _grad_of(param: torch.Tensor) -> torch.Tensor:
@@ -942,7 +1006,7 @@ def _merge(setup: _Setup, runs: list[_Run]) -> AccumulationReport:
         problems.append(min(off, key=lambda found: found[0])[1])
     if not worst <= first.tolerance:
         problems.append(
-            f"parameters off the float64 big-batch reference by {worst:.1e} after window "
+            f"parameters off the {first.reference} big-batch reference by {worst:.1e} after window "
             f"{where} (tolerance {first.tolerance:.0e})"
         )
     for kind, count in setup.expect_collectives.items():
@@ -1001,6 +1065,7 @@ def _merge(setup: _Setup, runs: list[_Run]) -> AccumulationReport:
         ),
         autocast=first.autocast,
         computed=first.computed,
+        reference=first.reference,
     )
 
 
