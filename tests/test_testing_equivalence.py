@@ -14,7 +14,12 @@ import torch
 import gradaccum
 from gradaccum.testing import check_accumulation, expected_windows
 from gradaccum.testing.counting import KINDS, in_words
-from gradaccum.testing.diagnosis import blind_spots, not_per_item_problem, unclipped_factor
+from gradaccum.testing.diagnosis import (
+    blind_spots,
+    gradient_problem,
+    not_per_item_problem,
+    unclipped_factor,
+)
 from tests import loops
 from tests.helpers import make_batches, make_model, mean_loss, sum_loss
 
@@ -485,6 +490,61 @@ def test_a_loss_the_reference_cannot_run_is_refused_before_training() -> None:
         "dtype, so a cast in the loss or the model's forward must follow the parameters' "
         "dtype rather than a fixed one: x.to(next(model.parameters()).dtype), not x.float()"
     )
+
+
+def bf16_unscaled_loop(model: Any, optimizer: Any, scheduler: Any, batches: Any) -> None:
+    """nanoGPT's forward and loss under a bfloat16 autocast, the loss not divided by
+    steps (the bug)."""
+    for index, batch in enumerate(batches):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = mean_loss(model, batch)
+        loss.backward()
+        if (index + 1) % 4 == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def test_a_factor_is_named_as_near_as_a_coarse_tolerance_allows() -> None:
+    """Under a bfloat16 autocast a loss not divided by steps came out 4.01x the
+    reference's, and the hint, which wanted 4 to 0.1%, was lost. A factor is now named
+    as near as the tolerance can tell (5e-2 over the largest entry, at most a tenth of
+    the factor), while a float64 check names none for a scale the tolerance tells from
+    4, and none for a scale a tenth of a factor away, however coarse the tolerance."""
+    report = check_accumulation(
+        functools.partial(make_model, dtype=torch.float32),
+        loops.adamw,
+        bf16_unscaled_loop,
+        [[(0.2 * x, 0.2 * y) for x, y in make_batches(list(loops.SIZES), dtype=torch.float32)]],
+        mean_loss,
+        steps=4,
+    )
+    assert report.tolerance == 5e-2
+    assert report.problems[0] == (
+        "the gradient of window 1 is 4.01x the reference's: is the loss divided by steps?"
+    )
+    want = torch.tensor([0.2, -0.1, 0.05], dtype=torch.float64)
+    options: dict[str, Any] = {
+        "length": 4,
+        "steps": 4,
+        "world": 1,
+        "items": False,
+        "norm_only": False,
+    }
+    coarse = gradient_problem(1, 4.01 * want, want, None, tolerance=5e-2, **options)
+    assert coarse == (
+        "the gradient of window 1 is 4.01x the reference's: is the loss divided by steps?"
+    )
+    fine = gradient_problem(1, 4.01 * want, want, None, tolerance=1e-10, **options)
+    assert fine == "the gradient of window 1 is 4.01x the reference's"
+    assert gradient_problem(1, 4.003 * want, want, None, tolerance=1e-10, **options) == (
+        "the gradient of window 1 is 4.00x the reference's: is the loss divided by steps?"
+    )  # (0.1%: the rounding of the gradients, as before)
+    partial = {**options, "length": 3}  # 3/4 of the reference's: a partial window / steps
+    assert gradient_problem(1, 0.74 * want, want, None, tolerance=5e-2, **partial).endswith(
+        "is its loss divided by steps=4 instead of by 3?"
+    )
+    huge = gradient_problem(1, 0.9 * want, want, None, tolerance=1.0, **partial)
+    assert huge == "the gradient of window 1 is 0.90x the reference's"
 
 
 def test_blind_spots_of_the_ranks_item_counts() -> None:

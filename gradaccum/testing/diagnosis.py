@@ -149,15 +149,19 @@ def gradient_problem(
     """
     noun = "gradient norm" if norm_only else "gradient"
 
-    def factor_hint(found: float) -> str | None:
+    def factor_hint(found: float, slack: float = 0.0) -> str | None:
         """The mistake a gradient ``found`` times the reference's points to."""
         return (
-            _items_hint(found, length, world)
+            _items_hint(found, length, world, slack)
             if items
-            else _factor_hint(found, length, steps, world)
+            else _factor_hint(found, length, steps, world, slack)
         )
 
     scale = _multiple_of(got, want, tolerance)
+    # How far off a factor the tolerance cannot tell: a gradient ``k + d`` times the
+    # reference's is within it of ``k`` times it where ``d`` times the largest entry is.
+    largest = float(want.abs().max()) if want.numel() else 0.0
+    slack = tolerance / largest if largest > 0 else 0.0
     factor = None
     if clipped is not None and scale is not None and reference == "float64":
         factor = unclipped_factor(scale, clipped[0])
@@ -177,7 +181,7 @@ def gradient_problem(
                 "shards)?"
             )
         else:
-            hint = factor_hint(scale)
+            hint = factor_hint(scale, slack)
         return f"the {noun} of window {window} is {scale:.2f}x the reference's" + (
             f": {hint}" if hint else ""
         )
@@ -237,21 +241,25 @@ def unclipped_factor(scale: float, norm: float) -> float | None:
     return factor if math.isfinite(factor) and not _near(factor, 1) else None
 
 
-def _near(scale: float, factor: float) -> bool:
-    """A measured gradient ``scale`` is ``factor``, to the rounding of the gradients."""
-    return math.isclose(scale, factor, rel_tol=1e-3)
+def _near(scale: float, factor: float, slack: float = 0.0) -> bool:
+    """A measured gradient ``scale`` is ``factor``: to the rounding of the gradients
+    (0.1%), or within ``slack``, what a coarse tolerance cannot tell apart (bfloat16's
+    5e-2 over the reference's largest entry), but never past a tenth of ``factor``, so
+    that the factors the hints tell apart (1/4 from 1/2, 3/4 from 1) stay apart."""
+    return math.isclose(scale, factor, rel_tol=1e-3, abs_tol=min(slack, abs(factor) / 10))
 
 
-def _items_hint(scale: float, length: int, world: int) -> str | None:
+def _items_hint(scale: float, length: int, world: int, slack: float = 0.0) -> str | None:
     """The mistake a gradient ``scale`` times the reference's points to, in item mode (a
-    loss normalized by the window's items, as Hugging Face's ``num_items_in_batch``)."""
+    loss normalized by the window's items, as Hugging Face's ``num_items_in_batch``), as
+    near as ``slack`` allows (`_near`)."""
     hints = []
-    if length > 1 and _near(scale, 1 / length):
+    if length > 1 and _near(scale, 1 / length, slack):
         hints.append(
             "is the loss divided by steps as well as by the window's items? A loss "
             "normalized by the window's item count is not divided by steps again"
         )
-    if world > 1 and _near(scale, 1 / world):
+    if world > 1 and _near(scale, 1 / world, slack):
         hints.append(
             f"is the loss divided by every rank's items but not multiplied by the {world} "
             "ranks? DDP averages the ranks' gradients, so a loss normalized by the items of "
@@ -260,24 +268,27 @@ def _items_hint(scale: float, length: int, world: int) -> str | None:
     return "; or ".join(hints) or None
 
 
-def _factor_hint(scale: float, length: int, steps: int, world: int) -> str | None:
-    """The mistake a gradient ``scale`` times the reference's points to, in mean mode."""
-    if length > 1 and _near(scale, length):
+def _factor_hint(
+    scale: float, length: int, steps: int, world: int, slack: float = 0.0
+) -> str | None:
+    """The mistake a gradient ``scale`` times the reference's points to, in mean mode, as
+    near as ``slack`` allows (`_near`)."""
+    if length > 1 and _near(scale, length, slack):
         return "is the loss divided by steps?"
-    if length < steps and _near(scale, length / steps):
+    if length < steps and _near(scale, length / steps, slack):
         return (
             f"it is the trailing partial window, of {length} microbatch"
             f"{'es' * (length > 1)}; is its loss divided by steps={steps} instead of by {length}?"
         )
     hints = []
-    if length > 1 and _near(scale, 1 / length):
+    if length > 1 and _near(scale, 1 / length, slack):
         hints.append("is the loss divided by steps twice?")
-    if world > 1 and _near(scale, 1 / world):
+    if world > 1 and _near(scale, 1 / world, slack):
         hints.append(
             f"is the loss divided by the world size, {world}? DDP (and FSDP) average the "
             "ranks' gradients already"
         )
-    if world > 1 and _near(scale, world):
+    if world > 1 and _near(scale, world, slack):
         hints.append(f"are the gradients summed over the {world} ranks instead of averaged?")
     return "; or ".join(hints) or None
 
