@@ -114,13 +114,13 @@ class Microstep:
 
     def arm(self) -> None:
         """Arm the next backward before its forward: sync if the next microstep is the
-        boundary or the policy is "every"; the strategy is called only on a change."""
+        boundary or the policy is "every"; the strategy is called only on a change, or
+        after each microstep while it could not arm as asked (``armed`` None)."""
         if not self.arms:
             return
         sync = self.window.next_is_boundary or self.acc._options.sync == "every"
         if sync is not self.armed:
-            self.armed = sync
-            self.strategy.arm(sync)
+            self.armed = None if self.strategy.arm(sync) is False else sync
 
     def watch_model(self) -> None:
         """Put the hook on the model (``watching``), only where something listens
@@ -294,7 +294,7 @@ class Microstep:
         step = self.step
         if step is None and error is None:
             window.done += 1
-            if self.arms and window.done == window.last:
+            if self.arms and (window.done == window.last or self.armed is None):
                 self.arm()
             return
         self.step = None

@@ -70,9 +70,12 @@ class SyncStrategy(Protocol):
     decides_in_forward: bool = False
     forward_communicates: bool = True
 
-    def arm(self, sync: bool) -> None:
+    def arm(self, sync: bool) -> bool | None:
         """Prepare the next backward: ``True`` on a window's last microstep (or under
-        ``sync="every"``), ``False`` where the policy lets communication be deferred."""
+        ``sync="every"``), ``False`` where the policy lets communication be deferred.
+        Return False where the wrapper cannot defer yet and syncs all the same (DDP's
+        static graph before its first iteration): it is asked again after the next
+        backward, rather than only when the request changes."""
 
     def restore(self) -> None:
         """Put back the communication state the strategy found."""
@@ -158,8 +161,9 @@ class DDPSync(SyncStrategy):
 
     def _will_sync(self, sync: bool) -> bool:
         """What the next backward is armed to do: ``sync``, or all-reduce all the same
-        where the policy never defers or a static graph's first iteration is to run (the
-        first window then all-reduces on every microstep: exact, averaging is linear)."""
+        where the policy never defers or a static graph's first iteration is to run (its
+        first backward; the window defers after it, as a hand loop's ``no_sync()``
+        may)."""
         return sync or not self._defer or self.first_iteration()
 
     def overridden(self) -> bool | None:
@@ -169,10 +173,12 @@ class DDPSync(SyncStrategy):
         seen: bool = self._ddp.require_forward_param_sync
         return None if seen is self._armed else seen
 
-    def arm(self, sync: bool) -> None:
-        """All-reduce in the next backward unless it is deferred."""
-        self._armed = self._will_sync(sync)
-        self._ddp.require_backward_grad_sync = self._armed
+    def arm(self, sync: bool) -> bool:
+        """All-reduce in the next backward unless it is deferred; False where a static
+        graph's first iteration all-reduces all the same."""
+        self._armed = armed = self._will_sync(sync)
+        self._ddp.require_backward_grad_sync = armed
+        return armed is sync
 
     def restore(self) -> None:
         """Put back each flag as it was found (before any strategy still holding it set it)."""
@@ -489,11 +495,13 @@ class SeveralDDPSync(DDPSync):
                 return seen
         return None
 
-    def arm(self, sync: bool) -> None:
-        """All-reduce in the next backward, on every one, unless it is deferred."""
-        self._armed = self._will_sync(sync)
+    def arm(self, sync: bool) -> bool:
+        """All-reduce in the next backward, on every one, unless it is deferred; False
+        where a static graph's first iteration all-reduces all the same."""
+        self._armed = armed = self._will_sync(sync)
         for ddp in self._ddps:
-            ddp.require_backward_grad_sync = self._armed
+            ddp.require_backward_grad_sync = armed
+        return armed is sync
 
 
 class FSDP1Sync(NoSyncContext):

@@ -177,7 +177,7 @@ class Checkpointed(torch.nn.Module):
 
 
 def static_graph(rank: int, world: int, checkpointed: bool) -> dict[str, Any]:
-    """DDP with ``static_graph=True`` under the Accumulator, steps=2 over 8 microbatches:
+    """DDP with ``static_graph=True`` under the Accumulator, steps=4 over 8 microbatches:
     per window, the backward passes that all-reduced; the parameters."""
     from torch.nn.parallel import DistributedDataParallel
 
@@ -186,7 +186,7 @@ def static_graph(rank: int, world: int, checkpointed: bool) -> dict[str, Any]:
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     counter = CollectiveCounter(optimizer)
-    with counter, gradaccum.Accumulator(model, optimizer, steps=2) as acc:
+    with counter, gradaccum.Accumulator(model, optimizer, steps=4) as acc:
         for batch in acc.epoch(rank_batches(rank, [2] * 8)):
             with acc.microstep(mean_loss(model, batch)):
                 pass
