@@ -119,8 +119,8 @@ class Stepper:
                 self.applied = True
                 for record in self._scheduled:
                     scheduler, last = record
-                    if last is not None and scheduler.last_epoch != last:
-                        _warn_stepped(last, scheduler.last_epoch)
+                    if last is not None and (now := _last_epoch(scheduler)) != last:
+                        _warn_stepped(last, now)
                     scheduler.step()
                     record[1] = _last_epoch(scheduler)
         finally:
@@ -234,6 +234,9 @@ def _is_zero(lr: object) -> bool:
 
 
 def _last_epoch(scheduler: Any) -> int | None:
-    """How far ``scheduler`` has stepped (``last_epoch``), when it says."""
+    """How far ``scheduler`` has stepped (``last_epoch``), when it says; a
+    ``ChainedScheduler``, which has none, by its first scheduler's (it steps them all)."""
     steps = getattr(scheduler, "last_epoch", None)
+    if steps is None and type(scheduler) is torch.optim.lr_scheduler.ChainedScheduler:
+        steps = getattr(scheduler._schedulers[0], "last_epoch", None)
     return steps if isinstance(steps, int) else None

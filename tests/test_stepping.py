@@ -148,6 +148,29 @@ def test_each_scheduler_is_watched_for_steps_by_hand() -> None:
         pass
 
 
+def test_a_chained_scheduler_stepped_by_hand_is_reported() -> None:
+    """A ``ChainedScheduler`` has no ``last_epoch`` of its own, so a step by hand of it
+    (a schedule running twice as fast) went unseen; it is read by its first scheduler's."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    chained = torch.optim.lr_scheduler.ChainedScheduler(
+        [
+            torch.optim.lr_scheduler.StepLR(optimizer, step_size=1),
+            torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.9),
+        ]
+    )
+    acc = gradaccum.Accumulator(model, optimizer, chained, steps=1)
+    batches = make_batches([2] * 2)
+    with acc.microstep(mean_loss(model, batches[0])):
+        pass
+    chained.step()
+    with (
+        pytest.warns(gradaccum.GradaccumWarning, match="last_epoch moved from 1 to 2"),
+        acc.microstep(mean_loss(model, batches[1])),
+    ):
+        pass
+
+
 def test_a_scheduler_entry_may_be_none() -> None:
     """``scheduler=[StepLR, None]``: the first optimizer's schedule runs, the second keeps
     its learning rate; `Step.lrs` reports both."""
