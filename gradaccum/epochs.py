@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Iterable, Iterator, Sized
+from collections.abc import Iterable, Iterator, Sequence, Sized
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from gradaccum import block, resuming
@@ -75,6 +75,11 @@ def run(acc: Accumulator, iterable: Iterable[T]) -> Iterator[T]:
             else:
                 msg = f"the iterable ended after {plan.position} items; its len() promised {n}"
                 raise ConfigError(msg)
+        if n is not None and not _quiet_at_end(iterable):
+            # Its dropped remainder drawn, and one more, so that what runs at its end
+            # (Accelerate's prepared loader advances its epoch there) runs.
+            for _ in itertools.islice(iterator, n - plan.position + 1):
+                pass
         completed = True
     finally:
         if not completed:
@@ -172,6 +177,27 @@ def unplanned_window(acc: Accumulator) -> None:
     if not acc._window.is_open:
         acc._window.reset(acc._steps)
         acc._block.arm()
+
+
+# A DataLoader's iterator does nothing at its end, and torchdata's StatefulDataLoader's state
+# is taken as standing in its epoch (docs/semantics.md): their dropped remainder is not loaded.
+_QUIET_AT_END = frozenset(
+    {
+        "torch.utils.data.dataloader.DataLoader",
+        "torchdata.stateful_dataloader.stateful_dataloader.StatefulDataLoader",
+    }
+)
+
+
+def _quiet_at_end(iterable: object) -> bool:
+    """``iterable``'s iteration need not run to its end: a plain or torchdata DataLoader,
+    whose iterator runs no code at its end, or a sequence. Another sized iterable, such as
+    Accelerate's prepared loader (which advances its epoch, and so its seedable sampler's
+    order, after its last batch) or a generator of one's own, is run to its end."""
+    kind = type(iterable)
+    return f"{kind.__module__}.{kind.__qualname__}" in _QUIET_AT_END or isinstance(
+        iterable, Sequence
+    )
 
 
 def _length(iterable: Iterable[Any]) -> int | None:

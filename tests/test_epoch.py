@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import gradaccum
 from tests.helpers import (
+    Batch,
     make_batches,
     make_model,
     max_param_diff,
@@ -286,3 +287,69 @@ def test_a_failed_window_caught_in_the_loop_restarts_the_windows_after_it() -> N
             continue
     assert acc.global_step == 2
     assert max_param_diff(model, expected) < TOL
+
+
+class EndsItsEpoch:
+    """A sized iterable whose iterator runs code after its last item, as Accelerate's
+    prepared loader advances its epoch there; ``endless`` yields past its ``len``."""
+
+    def __init__(self, batches: list[Batch], endless: bool = False) -> None:
+        self.batches = batches
+        self.endless = endless
+        self.ended = 0
+        self.drawn = 0
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[Batch]:
+        while True:
+            for batch in self.batches:
+                self.drawn += 1
+                yield batch
+            if not self.endless:
+                break
+        self.ended += 1
+
+
+class CountsLoads(torch.utils.data.Dataset[Batch]):
+    def __init__(self, batches: list[Batch]) -> None:
+        self.batches = batches
+        self.loaded = 0
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, index: int) -> Batch:
+        self.loaded += 1
+        return self.batches[index]
+
+
+@pytest.mark.parametrize("n", [8, 10])
+def test_an_iterable_that_runs_code_at_its_end_is_run_to_it(n: int) -> None:
+    """An epoch stopped after its last trained microbatch, so an iterable's code after its
+    last item never ran (Accelerate's prepared loader kept its epoch, and its shuffle).
+    It now runs to its end every epoch, its dropped remainder drawn; one whose ``len``
+    is short of what it yields is drawn at most one past it. A plain DataLoader's
+    dropped remainder is still never loaded."""
+    model = make_model()
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=4)
+    batches = make_batches([2] * n)
+    ends = EndsItsEpoch(batches)
+    for epoch in range(2):
+        for batch in acc.epoch(ends):
+            with acc.microstep(mean_loss(model, batch)):
+                pass
+        assert (ends.ended, ends.drawn) == (epoch + 1, n * (epoch + 1))
+    endless = EndsItsEpoch(batches, endless=True)
+    for batch in acc.epoch(endless):
+        with acc.microstep(mean_loss(model, batch)):
+            pass
+    assert endless.drawn == n + 1
+    dataset = CountsLoads(batches)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None)
+    for batch in acc.epoch(loader):
+        with acc.microstep(mean_loss(model, batch)):
+            pass
+    assert dataset.loaded == 8
+    assert acc.global_step == 4 * 2

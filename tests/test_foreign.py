@@ -175,6 +175,103 @@ def test_a_prepared_dataloader_resumes_mid_epoch_exactly(
     assert resumed_mid_epoch(accelerator, stateful)
 
 
+def fresh_accelerator(**config: Any) -> Any:
+    """A one-process CPU Accelerator with this DataLoader configuration, from a clean
+    process-wide state (the fixture resets it after the test)."""
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import DataLoaderConfiguration
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    return accelerate.Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(**config))
+
+
+@pytest.mark.usefixtures("accelerator")
+def test_a_prepared_loader_runs_to_its_end_every_epoch() -> None:
+    """Accelerate's prepared loader advances its epoch (so a seedable sampler's order,
+    the Hugging Face Trainer's default) in code after its last batch. An epoch of
+    ``acc.epoch`` stopped after its last trained microbatch, so that code never ran: every
+    epoch trained on the first epoch's order, and the loader stayed "in the dataloader"
+    (``gather_for_metrics`` then cut an evaluation's results). Each epoch now runs it to
+    its end: three epochs see the plain loop's three orders."""
+    from torch.utils.data import DataLoader
+
+    def orders(through_accumulator: bool) -> tuple[list[list[float]], Any]:
+        accelerator = fresh_accelerator(use_seedable_sampler=True)
+        model = torch.nn.Linear(1, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        data = torch.arange(20.0)[:, None]
+        model, optimizer, loader = accelerator.prepare(
+            model, optimizer, DataLoader(data, batch_size=2, shuffle=True)
+        )
+        acc = gradaccum.Accumulator(model, optimizer, steps=5) if through_accumulator else None
+        seen = []
+        for _ in range(3):
+            epoch: list[float] = []
+            for batch in loader if acc is None else acc.epoch(loader):
+                epoch += batch.flatten().tolist()
+                if acc is not None:
+                    with acc.microstep(model(batch).sum()):
+                        pass
+            seen.append(epoch)
+        return seen, (loader.iteration, accelerator.gradient_state.in_dataloader)
+
+    by_hand, ended = orders(through_accumulator=False)
+    assert len({tuple(epoch) for epoch in by_hand}) == 3
+    assert orders(through_accumulator=True) == (by_hand, ended)
+    assert ended == (3, False)
+
+
+@pytest.mark.usefixtures("accelerator")
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")  # (torchdata's)
+def test_a_prepared_stateful_loader_resumes_at_an_epochs_last_window() -> None:
+    """``use_stateful_dataloader=True``, 12 microbatches in windows of 5 (2 dropped), saved
+    at the boundary of the first epoch's last window and resumed with the loader's state
+    loaded as the recipe does: the resumed first epoch has nothing left to train, and its
+    loader was never run, so its loaded position (10 of 12) carried into the next epoch,
+    which ended after 2 ("the iterable ended after 2 items"). It now runs to its end, and
+    the two epochs end bit for bit where the uninterrupted run did."""
+    from torch.utils.data import DataLoader
+
+    data = regression_data()
+
+    def run(state: dict[str, Any] | None) -> tuple[torch.nn.Module, dict[str, Any]]:
+        accelerator = fresh_accelerator(use_stateful_dataloader=True)
+        model = make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, optimizer, loader = accelerator.prepare(
+            model, optimizer, DataLoader(data, batch_size=2)
+        )
+        acc = gradaccum.Accumulator(model, optimizer, steps=5)
+        if state is not None:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            acc.load_state_dict(state["acc"])
+            if acc.position:
+                loader.load_state_dict(state["loader"])
+        saved: dict[str, Any] = {}
+        for _ in range(acc.epochs_completed, 2):
+            for batch in acc.epoch(loader):
+                with acc.microstep(mean_loss(model, batch)) as step:
+                    pass
+                if state is None and step.boundary and acc.global_step == 2:
+                    saved = {
+                        "model": copy.deepcopy(model.state_dict()),
+                        "optimizer": copy.deepcopy(optimizer.state_dict()),
+                        "acc": acc.state_dict(),
+                        "loader": copy.deepcopy(loader.state_dict()),
+                    }
+        assert acc.global_step == 4
+        acc.close()
+        return model, saved
+
+    whole, state = run(None)
+    assert state["acc"]["position"] == 10
+    resumed, _ = run(state)
+    for p, q in zip(whole.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
 def test_a_prepared_dataloader_skipped_by_hand_is_refused_naming_it(accelerator: object) -> None:
     """Accelerate's resume recipe, ``accelerator.skip_first_batches(loader, n)``, kept beside
     the accumulator's own resume: the epoch is short by the trained microbatches, and its
