@@ -578,7 +578,10 @@ def _warn_overridden(acc: Accumulator, actual: bool) -> None:
         else ""
     )
     if strategy.decides_in_forward:
-        ahead = "(ahead of its block, or inside a no_sync() of your own)"
+        ahead = (
+            "(ahead of its block, or inside a no_sync() of your own, such as the one "
+            "Accelerate's accelerator.accumulate() enters)"
+        )
         if actual:
             cause = f"the forward of {window.where()} ran while DDP was set to all-reduce {ahead}"
         else:

@@ -115,8 +115,8 @@ def total_steps(
         >>> total_steps(13, {0: 1, 1: 4}, epochs=2)  # 13 steps, then 3
         16
     """
-    check_count(n_batches, "n_batches")
-    check_count(epochs, "epochs")
+    n_batches = check_count(n_batches, "n_batches")
+    epochs = check_count(epochs, "epochs")
     check_bool(drop_last, "drop_last")
     if not isinstance(steps, Mapping):
         return epochs * _per_epoch(n_batches, check_steps(steps), drop_last)
@@ -252,12 +252,14 @@ def interval(freq: int | float, steps_per_epoch: int) -> int:
         >>> interval(0.25, 1000)
         250
     """
-    check_count(steps_per_epoch, "steps_per_epoch")
-    if isinstance(freq, int) and not isinstance(freq, bool):
+    steps_per_epoch = check_count(steps_per_epoch, "steps_per_epoch")
+    if isinstance(freq, numbers.Integral) and not isinstance(freq, bool):  # (NumPy's too)
         if freq < 1:
             msg = f"freq must be an int >= 1 or a float in (0, 1), got {freq}"
             raise ConfigError(msg)
-        return freq
+        return int(freq)
+    if isinstance(freq, numbers.Real) and not isinstance(freq, float):  # a NumPy float
+        freq = float(freq)
     if not isinstance(freq, float):
         msg = f"freq must be an int >= 1 or a float in (0, 1), got {describe(freq)}"
         raise ConfigTypeError(msg)

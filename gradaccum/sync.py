@@ -725,7 +725,8 @@ def _no_sync(model: nn.Module) -> Iterator[None]:
         )
         raise ConfigError(msg)
     strategy.arm(False)
-    first = next(model.parameters(), None)
+    # (the first that can have a gradient: a frozen embedding or backbone has none)
+    first = next((param for param in model.parameters() if param.requires_grad), None)
     before = None if first is None else first.grad
     version = None if before is None else before._version
     try:

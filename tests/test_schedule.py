@@ -136,3 +136,19 @@ class TestStepsFor:
         ):
             with pytest.raises(gradaccum.GradaccumError, match=name):
                 gradaccum.steps_for(*args)  # type: ignore[arg-type]
+
+
+def test_numpy_numbers_are_taken_and_ints_come_back() -> None:
+    """A NumPy count (from a config or a collate function) is taken like an int by every
+    helper, and what comes back is a plain int (``json.dumps`` refused the NumPy int
+    ``total_steps`` returned for a NumPy ``epochs``; ``interval`` refused NumPy numbers)."""
+    import numpy as np
+
+    found = [
+        gradaccum.total_steps(np.int64(13), 4, np.int64(2)),
+        gradaccum.steps_per_epoch(np.int64(13), 4),
+        gradaccum.interval(np.int64(50), np.int64(1000)),
+        gradaccum.interval(np.float32(0.25), 1000),
+    ]
+    assert found == [6, 3, 50, 250]
+    assert all(type(value) is int for value in found)

@@ -174,17 +174,24 @@ def test_a_divide_factor_other_than_the_ranks_is_refused() -> None:
 
 
 @pytest.mark.usefixtures("process_group")
-def test_no_sync_around_a_backward_whose_forward_ran_before_it_is_warned_about() -> None:
+@pytest.mark.parametrize("frozen_first", [False, True], ids=["trainable", "frozen_first"])
+def test_no_sync_around_a_backward_whose_forward_ran_before_it_is_warned_about(
+    frozen_first: bool,
+) -> None:
     """The bug gradaccum was born from, in a hand loop that takes only gradaccum.no_sync:
     the forward before the block, the backward inside it. DDP decided in the forward, so
     the backward all-reduced after all (counted); leaving the block warns. The forward
     inside the block all-reduces nothing and warns nothing; neither does a block that ran
-    no backward."""
+    no backward. A first parameter that is frozen (an embedding, when fine-tuning) once
+    hid the all-reduce: the block watched its gradient, which never comes."""
     from torch.nn.parallel import DistributedDataParallel
 
     from gradaccum.testing import CollectiveCounter
 
-    ddp = DistributedDataParallel(make_model())
+    model = make_model()
+    if frozen_first:
+        model[0].weight.requires_grad_(False)
+    ddp = DistributedDataParallel(model)
     batch = make_batches([2])[0]
     with CollectiveCounter() as outside:
         loss = mean_loss(ddp, batch)
