@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import math
+import random
 from typing import Any
 
 import pytest
@@ -810,6 +811,31 @@ def test_hyperparameters_set_by_hand_need_no_scheduler() -> None:
         f"0 scheduler steps, {STEPS_FORMULA}: scheduler.step() was never called; a trainer "
         "that sets the learning rate by hand needs no make_scheduler"
     ]
+
+
+def test_train_gets_each_epoch_s_batches_as_a_fresh_list() -> None:
+    """A loop that shuffles its batches in place (``random.shuffle``) raised TypeError on
+    the tuple it was given. Each epoch now gets a list of its own, in the order given; the
+    shuffled order is not the reference's, which reads as a gradient off it."""
+    given: list[list[Any]] = []
+
+    def shuffled_loop(model: Any, optimizer: Any, scheduler: Any, batches: Any) -> None:
+        given.append(batches)
+        order = list(batches)
+        random.Random(0).shuffle(batches)
+        given.append(order)
+        loops.hand_loop(model, optimizer, scheduler, batches)
+
+    report = loops.check(shuffled_loop, epochs=2)
+    first, first_order, second, second_order = given
+    assert type(first) is list
+    assert first is not second
+    for order in (first_order, second_order):  # (epoch 1's shuffle left epoch 2's alone)
+        assert all(
+            torch.equal(got[0], want[0])
+            for got, want in zip(order, loops.rank_batches(0), strict=True)
+        )
+    assert report.problems[0].startswith("the gradient of window 1 is off the float64 big-batch")
 
 
 def test_a_trainer_s_optimizer_that_grew_a_param_group_is_refused() -> None:

@@ -249,7 +249,7 @@ def check_accumulation(
     On each rank: ``model = wrap(make_model())``, ``optimizer =
     make_optimizer(model.parameters())`` (one optimizer or a sequence of them),
     ``scheduler = make_scheduler(optimizer)``, then ``train(model, optimizer, scheduler,
-    batches[rank])`` once per epoch. While it trains, a pre-hook on each optimizer reads,
+    list(batches[rank]))`` once per epoch. While it trains, a pre-hook on each optimizer reads,
     at each ``optimizer.step()``, every param-group entry (the learning rate however it
     was set: by a scheduler or by hand, ``param_group["lr"] = get_lr(it)``) and the full,
     unsharded gradient of its parameters (under FSDP1, the gradient's norm); a window
@@ -292,7 +292,10 @@ def check_accumulation(
             come as an iterator, so a factory that splits them makes a list first.
         train: The loop under test: one epoch of ``batches[rank]``, with the
             accumulation, ``optimizer.step()`` and ``scheduler.step()`` it does itself;
-            it gets what ``make_optimizer`` and ``make_scheduler`` returned.
+            it gets what ``make_optimizer`` and ``make_scheduler`` returned, and the
+            batches as a fresh list each epoch, which it must consume in the order given
+            (the reference's windows are cut in that order: a loader that shuffles them
+            reads as a gradient off the reference).
         batches: Each rank's microbatches, ``batches[rank]``, the same number per rank.
         loss: ``loss(model, batch)``, the loss ``train`` back-propagates: a mean over
             the batch, or with ``num_items`` a sum.
@@ -645,7 +648,11 @@ def _run(setup: _Setup, rank: int) -> _Run:
     try:
         with observed, WindowWatch(optimizers, window_closed), counter:
             for _ in range(setup.epochs):
-                setup.train(wrapped, made, scheduler, setup.batches[rank])
+                # A fresh list each epoch: a loop that shuffles or pops what it is given
+                # in place is checked (its order is then not the reference's: a
+                # gradient off), rather than crashing on a tuple or changing the next
+                # epoch's batches.
+                setup.train(wrapped, made, scheduler, list(setup.batches[rank]))
     finally:
         for one in schedulers.values():
             del one.step  # its class's step again
