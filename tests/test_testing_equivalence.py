@@ -838,6 +838,101 @@ def test_train_gets_each_epoch_s_batches_as_a_fresh_list() -> None:
     assert report.problems[0].startswith("the gradient of window 1 is off the float64 big-batch")
 
 
+def own_schedule_loop(
+    model: Any, optimizer: Any, scheduler: Any, batches: Any, *, every_microbatch: bool
+) -> None:
+    """`loops.hand_loop` with a LambdaLR of the loop's own (none given to the check),
+    stepped after each optimizer step, or after every microbatch (the bug)."""
+    own = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (1 + step))
+    loops.hand_loop(model, optimizer, own, batches, scheduler_every_microbatch=every_microbatch)
+
+
+def tensor_rates(params: Any) -> torch.optim.Optimizer:
+    """Adam with a param group for the weights and one for the biases, each with a
+    tensor learning rate of its own."""
+    params = list(params)
+    return torch.optim.Adam(
+        [
+            {
+                "params": [p for p in params if p.ndim > 1],
+                "lr": torch.tensor(0.01, dtype=torch.float64),
+            },
+            {
+                "params": [p for p in params if p.ndim == 1],
+                "lr": torch.tensor(0.01, dtype=torch.float64),
+            },
+        ],
+        foreach=False,
+    )
+
+
+def rate_by_index_loop(
+    model: Any, optimizer: Any, scheduler: Any, batches: Any, *, per_window: bool
+) -> None:
+    """Sets the biases' tensor learning rate in place, ``0.01 / (1 + i)``: at every
+    microbatch from its index (the bug, nanoGPT's ``get_lr(it)`` with ``it`` counting
+    microbatches), or at each window's start from the window's."""
+    for index, batch in enumerate(batches[:12]):
+        if not per_window or index % 4 == 0:
+            optimizer.param_groups[1]["lr"].fill_(
+                0.01 / (1 + (index // 4 if per_window else index))
+            )
+        (mean_loss(model, batch) / 4).backward()
+        if index % 4 == 3:
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+def test_a_schedule_the_trainer_advances_every_microbatch_is_named() -> None:
+    """The reference steps with the learning rates the trainer's optimizers held, and a
+    scheduler the trainer builds itself is not counted: a schedule advanced every
+    microbatch trained as the reference and passed. A learning rate that changes between
+    two training forwards of one window (no optimizer step between them) now fails,
+    naming the window, the optimizer (its param group, where it has several) and the
+    rates; a tensor learning rate set in place too. Set once a window at its start
+    (nanoGPT), or stepped after each optimizer step, it passes."""
+    stepped = loops.check(
+        functools.partial(own_schedule_loop, every_microbatch=True), make_scheduler=None
+    )
+    assert stepped.problems == [
+        "the learning rate of optimizer changed between the microbatches of window 1 (0.1, "
+        "then 0.05): a schedule that moves every microbatch runs 4 times too fast; is a "
+        "scheduler stepped, or the learning rate set from the microbatch index, every "
+        "microbatch instead of once per window?"
+    ]
+    by_index = check_accumulation(
+        make_model,
+        tensor_rates,
+        functools.partial(rate_by_index_loop, per_window=False),
+        [loops.rank_batches(0)],
+        mean_loss,
+        steps=4,
+    )
+    assert by_index.problems == [
+        "the learning rate of optimizer.param_groups[1] changed between the microbatches of "
+        "window 1 (0.01, then 0.005): a schedule that moves every microbatch runs 4 times "
+        "too fast; is a scheduler stepped, or the learning rate set from the microbatch "
+        "index, every microbatch instead of once per window?"
+    ]
+    for right in (
+        loops.check(
+            functools.partial(own_schedule_loop, every_microbatch=False), make_scheduler=None
+        ),
+        check_accumulation(
+            make_model,
+            tensor_rates,
+            functools.partial(rate_by_index_loop, per_window=True),
+            [loops.rank_batches(0)],
+            mean_loss,
+            steps=4,
+        ),
+        loops.nanogpt_check(),
+        loops.check(loops.epoch_scheduler_loop, epochs=2, scheduler_per="epoch"),
+    ):
+        assert right.ok, right
+
+
 def test_a_trainer_s_optimizer_that_grew_a_param_group_is_refused() -> None:
     def add_a_group(model: Any, optimizer: Any, scheduler: Any, batches: Any) -> None:
         optimizer.add_param_group({"params": [torch.zeros(1, requires_grad=True)]})

@@ -20,7 +20,9 @@ __all__ = [
     "gap",
     "gradient_problem",
     "not_per_item_problem",
+    "per_microbatch",
     "random_forward_problem",
+    "rate_problem",
     "step_problem",
     "unclipped_factor",
     "worse",
@@ -43,6 +45,38 @@ def gap(got: torch.Tensor, want: torch.Tensor) -> float:
 def worse(candidate: float, worst: float) -> bool:
     """Whether ``candidate`` is a worse gap than ``worst``: larger, or the first NaN."""
     return not math.isnan(worst) and (math.isnan(candidate) or candidate > worst)
+
+
+def per_microbatch(count: int, *, n_batches: int, steps: int, epochs: int, drop_last: bool) -> bool:
+    """Whether ``count`` steps are one per microbatch (of every window's, or of every
+    microbatch of the epochs), where that is not one per window."""
+    if steps == 1:
+        return False
+    return count in (_trained(n_batches, steps, drop_last) * epochs, n_batches * epochs)
+
+
+def rate_problem(label: str, window: int, before: float, after: float, steps: int) -> str:
+    """A learning rate of ``label`` (an optimizer, or one of its param groups) moved from
+    ``before`` to ``after`` between two microbatches of ``window``: the reference steps
+    with the rates held at each step, so only this shows a schedule advanced every
+    microbatch (one the trainer owns, or a rate set from the microbatch index)."""
+    was, now = _apart(before, after)
+    return (
+        f"the learning rate of {label} changed between the microbatches of window {window} "
+        f"({was}, then {now}): a schedule that moves every microbatch runs {steps} times too "
+        "fast; is a scheduler stepped, or the learning rate set from the microbatch index, "
+        "every microbatch instead of once per window?"
+    )
+
+
+def _apart(first: float, second: float) -> tuple[str, str]:
+    """``first`` and ``second`` in the fewest significant digits (3 at least) that tell
+    them apart."""
+    for digits in range(3, 18):
+        shown = f"{first:.{digits}g}", f"{second:.{digits}g}"
+        if shown[0] != shown[1]:
+            return shown
+    return f"{first!r}", f"{second!r}"
 
 
 def step_problem(
@@ -72,7 +106,7 @@ def step_problem(
     problem = f"{count} {label} step{'s' * (count != 1)}, expected {expected} = {formula}"
     remainder = n_batches % steps
     partial = f"the trailing partial window of {remainder} microbatch{'es' * (remainder > 1)}"
-    if steps > 1 and count in (_trained(n_batches, steps, drop_last) * epochs, n_batches * epochs):
+    if per_microbatch(count, n_batches=n_batches, steps=steps, epochs=epochs, drop_last=drop_last):
         hint = (
             f"one per microbatch; is {label}.step() called every microbatch, not once per window?"
         )

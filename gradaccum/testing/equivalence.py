@@ -43,13 +43,16 @@ from gradaccum.testing.diagnosis import (
     gap,
     gradient_problem,
     not_per_item_problem,
+    per_microbatch,
     random_forward_problem,
+    rate_problem,
     step_problem,
     worse,
 )
 from gradaccum.testing.observed import (
     Gradient,
     Observed,
+    RateMoved,
     apply_hyperparameters,
     cpu64,
     flat,
@@ -267,10 +270,13 @@ def check_accumulation(
     stepped with the hyperparameters the trainer's held at that window's step (its
     implementation flags, ``foreach``, ``fused``, ``capturable``, ``differentiable``,
     kept). ``make_scheduler``'s schedulers are only counted: each must step once per
-    window. Model and loss must be deterministic (no dropout) and each microbatch's loss
-    its own (no SyncBatchNorm over several ranks): the reference computes each
-    microbatch's loss alone, so a plain batch norm, which normalizes each microbatch by
-    its own statistics, is checked as the trainer runs it.
+    window. A learning rate that changes between two training forwards of one window
+    (read by a forward pre-hook, whoever set it) is named as a schedule advanced every
+    microbatch, which the reference, stepping with the rates held, cannot show. Model
+    and loss must be deterministic (no dropout) and each microbatch's loss its own (no
+    SyncBatchNorm over several ranks): the reference computes each microbatch's loss
+    alone, so a plain batch norm, which normalizes each microbatch by its own
+    statistics, is checked as the trainer runs it.
 
     Each window's gradient is compared with the reference's, then the parameters after
     it; a problem names the likely mistake where what was seen shows one: a gradient a
@@ -599,6 +605,7 @@ class _Run:
     left_over: bool  # forwards after the last step left a gradient in the parameters
     random_forward: bool  # off the reference, and two forwards of a microbatch differ
     reference: str  # the dtype the reference ran in ("float64", or the parameters')
+    rate_moved: RateMoved | None  # the first learning rate that moved inside a window
 
 
 def _run_on_rank(rank: int, world: int, setup: _Setup) -> _Run:
@@ -648,6 +655,7 @@ def _run(setup: _Setup, rank: int) -> _Run:
     try:
         with observed, WindowWatch(optimizers, window_closed), counter:
             for _ in range(setup.epochs):
+                observed.new_epoch()
                 # A fresh list each epoch: a loop that shuffles or pops what it is given
                 # in place is checked (its order is then not the reference's: a
                 # gradient off), rather than crashing on a tuple or changing the next
@@ -710,6 +718,7 @@ def _run(setup: _Setup, rank: int) -> _Run:
         not_per_item=observed.not_per_item,
         left_over=observed.forwards_after > 0 and _left_over(wrapped),
         random_forward=drawn,
+        rate_moved=observed.rate_moved,
         reference=str(reference.dtype).removeprefix("torch."),
     )
 
@@ -1008,6 +1017,22 @@ def _merge(setup: _Setup, runs: list[_Run]) -> AccumulationReport:
             per_epoch=setup.scheduler_per == "epoch" and name.startswith("scheduler"),
         ):
             problems.append(problem)
+    # A learning rate that moved inside a window: the reference steps with the rates held
+    # at each step, so nothing else shows it; a scheduler counted one per microbatch
+    # already names the mistake.
+    moved = [run.rate_moved for run in runs if run.rate_moved is not None]
+    counted = any(
+        per_microbatch(
+            count, n_batches=n, steps=setup.steps, epochs=setup.epochs, drop_last=setup.drop_last
+        )
+        for count in first.scheduler_steps.values()
+    )
+    if moved and not counted:
+        rate = min(moved, key=lambda found: found.window)
+        label = f"optimizers[{rate.optimizer}]" if len(first.optimizer_steps) > 1 else "optimizer"
+        if rate.groups > 1:
+            label += f".param_groups[{rate.group}]"
+        problems.append(rate_problem(label, rate.window, rate.before, rate.after, setup.steps))
     off = [run.grad_problem for run in runs if run.grad_problem is not None]
     if off:
         problems.append(min(off, key=lambda found: found[0])[1])

@@ -1,8 +1,10 @@
 """What a trainer's optimizers held at each ``optimizer.step()``: the hyperparameters of
 every param group and the full (unsharded) gradient of their parameters, read by a step
 pre-hook, so that the reference can step as the trainer did and be compared with what
-each step saw; and the precision its model's forwards computed in: the autocast they ran
-under (a forward pre-hook), or the dtypes their autograd graph carries (a forward hook)."""
+each step saw; the precision its model's forwards computed in: the autocast they ran
+under (a forward pre-hook), or the dtypes their autograd graph carries (a forward hook);
+and a learning rate that moved between two forwards of one window (the pre-hook), which
+the reference, stepping with the rates held at each step, cannot show."""
 
 from __future__ import annotations
 
@@ -21,7 +23,15 @@ from gradaccum.errors import ConfigError
 from gradaccum.sync import full_tensor, unwrap
 from gradaccum.testing.counting import CollectiveCounter
 
-__all__ = ["Gradient", "Observed", "apply_hyperparameters", "cpu64", "flat", "full_params"]
+__all__ = [
+    "Gradient",
+    "Observed",
+    "RateMoved",
+    "apply_hyperparameters",
+    "cpu64",
+    "flat",
+    "full_params",
+]
 
 Groups = list[dict[str, Any]]  # one optimizer's param groups, without their params
 # Param-group entries that choose an implementation, not the update: the reference, on
@@ -124,6 +134,27 @@ class Gradient:
     positions: tuple[int, ...] | None
 
 
+@dataclass(frozen=True)
+class RateMoved:
+    """A learning rate that changed between two training forwards of one window.
+
+    Attributes:
+        window: The window (from 1) whose microbatches it changed between.
+        optimizer: The optimizer's index among the trainer's.
+        group: The param group's index in it.
+        groups: The optimizer's param groups then.
+        before: The learning rate at the earlier forward.
+        after: The one at the later forward.
+    """
+
+    window: int
+    optimizer: int
+    group: int
+    groups: int
+    before: float
+    after: float
+
+
 class Observed:
     """Reads, at each step of each of ``optimizers``, the hyperparameters of its param
     groups and the full gradient of its parameters (``with observed:`` installs the
@@ -151,6 +182,10 @@ class Observed:
             loss alone, does too.
         forwards_after: The model's forwards under grad mode since the last optimizer step
             (all of them, before the first).
+        rate_moved: The first learning rate that changed between two training forwards
+            with no optimizer step between them (of one window: a schedule that moves
+            every microbatch), as `RateMoved`, or None. Each epoch starts afresh (the
+            microbatches an epoch drops at its end are of no window).
         dtype: The parameters' floating-point dtype (the first's; float64 without one).
     """
 
@@ -175,6 +210,8 @@ class Observed:
         )
         self._looks = _LOOKS
         self.forwards_after = 0
+        self.rate_moved: RateMoved | None = None
+        self._rates: list[list[float | None]] | None = None  # at the window's last forward
         self.not_per_item: dict[str, str] = {}
         self._suspects = [
             (name, module)
@@ -200,9 +237,15 @@ class Observed:
     def __exit__(self, *exc: object) -> None:
         self._hooks.close()
 
+    def new_epoch(self) -> None:
+        """An epoch starts: its first forward is compared with no earlier one."""
+        self._rates = None
+
     def _forward(self, *_: object) -> None:
         if torch.is_grad_enabled():  # (a training forward, not an evaluation's)
             self.forwards_after += 1
+            if self.rate_moved is None:
+                self._follow_rates()
         if torch.is_autocast_enabled(self._device):
             self.autocast.add(torch.get_autocast_dtype(self._device))
         for name, module in self._suspects:
@@ -216,6 +259,24 @@ class Observed:
             elif (p := getattr(module, "p", 0)) != 0:
                 self.not_per_item.setdefault(name, f"{kind}(p={p})")
 
+    def _follow_rates(self) -> None:
+        """Read every param group's learning rate at this training forward, and keep the
+        first that differs from the one at the window's previous forward."""
+        with self._counter.paused():  # (a tensor learning rate on a device is read here)
+            rates = [
+                [float(group["lr"]) if "lr" in group else None for group in optimizer.param_groups]
+                for optimizer in self._optimizers
+            ]
+        before, self._rates = self._rates, rates
+        if before is None:
+            return
+        for index, (was, now) in enumerate(zip(before, rates, strict=True)):
+            for group, (old, new) in enumerate(zip(was, now, strict=False)):
+                if old is not None and new is not None and old != new:
+                    window = min(self.steps()) + 1
+                    self.rate_moved = RateMoved(window, index, group, len(now), old, new)
+                    return
+
     def _forward_done(self, _: nn.Module, __: object, output: object) -> None:
         if self._looks and torch.is_grad_enabled():
             self._looks -= 1
@@ -223,6 +284,7 @@ class Observed:
 
     def _read(self, index: int, optimizer: torch.optim.Optimizer, *_: object) -> None:
         self.forwards_after = 0
+        self._rates = None  # the next forward is the next window's first
         with self._counter.paused():  # reading and gathering is not training
             self.hyperparameters[index].append(
                 [
