@@ -629,6 +629,48 @@ def divided_twice_loop(model: Any, optimizer: Any, scheduler: Any, batches: Any)
                 pass
 
 
+def early_step_loop(model: Any, optimizer: Any, scheduler: Any, batches: Any) -> None:
+    """Steps at ``i % 4 == 0``: after the epoch's first microbatch, then every 4th."""
+    for index, batch in enumerate(batches[:12]):
+        (mean_loss(model, batch) / 4).backward()
+        if index % 4 == 0:
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+
+
+def counted_from_one_loop(model: Any, optimizer: Any, scheduler: Any, batches: Any) -> None:
+    """Counts its microbatches from 1 and steps at ``(i + 1) % 4 == 0``: after 3."""
+    for index, batch in enumerate(batches, 1):
+        (mean_loss(model, batch) / 4).backward()
+        if (index + 1) % 4 == 0:
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+
+
+def late_step_loop(
+    model: Any, optimizer: Any, scheduler: Any, batches: Any, *, by_items: bool = False
+) -> None:
+    """Steps at ``i % 4 == 0`` once ``i > 0``: the first window holds 5 microbatches.
+    With ``by_items``, each window's summed loss over its own items (the gradient divided
+    by them before the step)."""
+    rows = 0
+    for index, batch in enumerate(batches):
+        loss = sum_loss(model, batch) if by_items else mean_loss(model, batch) / 4
+        loss.backward()
+        rows += len(batch[0])
+        if index % 4 == 0 and index > 0:
+            for param in model.parameters():
+                if by_items and param.grad is not None:
+                    param.grad /= rows
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            rows = 0
+    optimizer.zero_grad()
+
+
 STEPS_FORMULA = "expected 3 = total_steps(13, 4, 1, drop_last=True)"
 PARAMETERS = "parameters off the float64 big-batch reference by"
 
@@ -730,6 +772,37 @@ PARAMETERS = "parameters off the float64 big-batch reference by"
             ],
         ),
         (
+            early_step_loop,
+            {},
+            [
+                "the gradient of window 1 is its first microbatch's alone (scaled): the "
+                "optimizer stepped after the epoch's first microbatch, so each window after "
+                "it ends with the next one's first; is the step taken at i % steps == 0 "
+                "rather than at (i + 1) % steps == 0?"
+            ],
+        ),
+        (
+            counted_from_one_loop,
+            {},
+            [
+                "the gradient of window 1 is that of its first 3 microbatches (scaled): the "
+                "window ended one microbatch early; does the microbatch count start at 1 "
+                "(enumerate(batches, 1)) while the step is taken at (i + 1) % steps == 0?"
+            ],
+        ),
+        *(
+            (
+                functools.partial(late_step_loop, by_items=by_items),
+                {"by_items": by_items},
+                [
+                    "the gradient of window 1 is that of its 4 microbatches and the next one "
+                    "(scaled): the window ended one microbatch late; is the step taken at "
+                    "i % steps == 0 for i > 0 rather than at (i + 1) % steps == 0?"
+                ],
+            )
+            for by_items in (False, True)
+        ),
+        (
             loops.hand_loop,
             {"by_items": True},
             ["the gradient of window 1 is off the float64 big-batch reference by "],
@@ -756,6 +829,10 @@ PARAMETERS = "parameters off the float64 big-batch reference by"
         "last_window_never_stepped",
         "partial_window_never_stepped",
         "scheduler_every_microbatch",
+        "step_after_the_first_microbatch",
+        "counted_from_one",
+        "step_one_late",
+        "step_one_late_by_items",
         "mean_of_means",
         "items_divided_by_steps",
     ],

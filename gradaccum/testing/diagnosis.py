@@ -145,6 +145,7 @@ def gradient_problem(
     *,
     last: torch.Tensor | None = None,
     clipped_each: torch.Tensor | None = None,
+    first: dict[int, torch.Tensor] | None = None,
     length: int,
     steps: int,
     world: int,
@@ -167,6 +168,10 @@ def gradient_problem(
             one), or None: a trainer that clears the gradient before every backward
             steps with a multiple of it.
         clipped_each: What a trainer that clips after every backward steps with, or None.
+        first: Where this is an epoch's first window, the gradient of the epoch's first
+            ``m`` microbatches as one window (up to a factor), by ``m``: a trainer whose
+            windows end a microbatch off steps with ``m`` one from ``length``, or 1 where
+            it steps after the epoch's first microbatch (``i % steps == 0``).
         length: The window's microbatches.
         steps: Microbatches per full window.
         world: Ranks.
@@ -238,6 +243,8 @@ def gradient_problem(
             "zero_grad() called before every backward, inside the window? Clear the "
             "gradient once a window, after its optimizer.step()"
         )
+    if hint := _boundary_hint(got, first or {}, length, tolerance):
+        return f"the gradient of window {window} is {hint}"
     carried = ""
     if dropped_before:
         carried = (
@@ -251,6 +258,37 @@ def gradient_problem(
         f"the {noun} of window {window} is off the {reference} big-batch reference by "
         f"{gap(got, want):.1e} (tolerance {tolerance:.0e}){carried}"
     )
+
+
+def _boundary_hint(
+    got: torch.Tensor, first: dict[int, torch.Tensor], length: int, tolerance: float
+) -> str | None:
+    """What an epoch's first window of ``length`` microbatches shows where its gradient
+    is a multiple of that of the epoch's first ``m`` (``first``, by ``m``) for an ``m``
+    one off ``length``, or 1: a window boundary one microbatch off."""
+    hints = {
+        1: (
+            "its first microbatch's alone (scaled): the optimizer stepped after the epoch's "
+            "first microbatch, so each window after it ends with the next one's first; is the "
+            "step taken at i % steps == 0 rather than at (i + 1) % steps == 0?"
+        ),
+        length + 1: (
+            f"that of its {length} microbatches and the next one (scaled): the window ended "
+            "one microbatch late; is the step taken at i % steps == 0 for i > 0 rather "
+            "than at (i + 1) % steps == 0?"
+        ),
+    }
+    if length > 2:  # (for a window of 2, its first microbatch alone is the hint above)
+        hints[length - 1] = (
+            f"that of its first {length - 1} microbatches (scaled): the window ended one "
+            "microbatch early; does the microbatch count start at 1 (enumerate(batches, "
+            "1)) while the step is taken at (i + 1) % steps == 0?"
+        )
+    for m in sorted(hints):
+        scale = _multiple_of(got, first[m], tolerance) if m in first else None
+        if scale is not None and scale > 0:
+            return hints[m]
+    return None
 
 
 def _multiple_of(got: torch.Tensor, want: torch.Tensor, tolerance: float) -> float | None:

@@ -282,8 +282,9 @@ def check_accumulation(
     it; a problem names the likely mistake where what was seen shows one: a gradient a
     constant factor off ("4.00x the reference's: is the loss divided by steps?"), the
     last partial window divided by ``steps``, the previous window's gradient left in
-    (no ``zero_grad()``), a scheduler stepped per microbatch, a window never stepped or
-    stepped with no gradient, DDP all-reducing on every microbatch.
+    (no ``zero_grad()``), a window boundary one microbatch off (``i % steps == 0``), a
+    scheduler stepped per microbatch, a window never stepped or stepped with no
+    gradient, DDP all-reducing on every microbatch.
 
     With ``len(batches)`` above 1, the ranks are launched with `run_ranks` (so every
     callable must be a module-level function or a ``functools.partial`` of one), unless
@@ -688,7 +689,7 @@ def _run(setup: _Setup, rank: int) -> _Run:
         tolerance,
         len(setup.batches),
         lambda index: reference.microbatches_alone(
-            index, windows[index - 1].params if index else start
+            index, windows[index - 1].params if index else start, beyond=1
         ),
         str(reference.dtype).removeprefix("torch."),
     )
@@ -770,8 +771,8 @@ def _compare_gradients(
 ) -> tuple[float, int | None, tuple[int, str] | None]:
     """The largest gap between each window's gradient and the reference's, its window,
     and what the first window off the reference shows (``microbatches_alone(index)``:
-    the gradient of each of that window's microbatches alone,
-    `_Reference.microbatches_alone`)."""
+    the gradient of each of that window's microbatches alone, then of the one after it
+    in its epoch, where there is one, `_Reference.microbatches_alone`)."""
     worst, where, problem = 0.0, None, None
     shapes = [grad.shape for grad in windows[0].grad] if windows else []
     lengths = setup.window_lengths()
@@ -790,16 +791,21 @@ def _compare_gradients(
                     previous.values + want.raw_seen_as(got.positions), setup.max_grad_norm
                 )
             norm, max_norm = float(flat(want.raw).norm()), setup.max_grad_norm
-            # The window's last microbatches alone, and (one process, mean mode) what
-            # clipping after every backward steps with, where the window has more than one.
+            # The window's last microbatches alone, (one process, mean mode) what
+            # clipping after every backward steps with, and, for an epoch's first window,
+            # what its first microbatches step with, where the window has more than one.
             last = clipped_each = None
+            first: dict[int, torch.Tensor] = {}
             positions = got.positions
             if positions is not None and lengths[index] > 1:
                 alone = microbatches_alone(index)
-                last = flat([alone[-1][i] for i in positions])
+                within = alone[: lengths[index]]
+                last = flat([within[-1][i] for i in positions])
                 if world == 1 and max_norm is not None and setup.num_items is None:
-                    each = _clipped_each(alone, max_norm)
+                    each = _clipped_each(within, max_norm)
                     clipped_each = flat([each[i] for i in positions])
+                if setup.windows()[index].start == 0:
+                    first = _first_microbatches(setup, alone, positions)
             text = gradient_problem(
                 index + 1,
                 got.values,
@@ -807,6 +813,7 @@ def _compare_gradients(
                 accumulated,
                 last=last,
                 clipped_each=clipped_each,
+                first=first,
                 length=lengths[index],
                 steps=setup.steps,
                 world=world,
@@ -821,6 +828,25 @@ def _compare_gradients(
             problem = (index + 1, text)
         previous = got
     return worst, where, problem
+
+
+def _first_microbatches(
+    setup: _Setup, alone: list[list[torch.Tensor]], positions: tuple[int, ...]
+) -> dict[int, torch.Tensor]:
+    """The gradient (flat, at ``positions``) of the epoch's first ``m`` microbatches as one
+    window, up to a factor, by ``m``, for every ``m`` of ``alone`` (each microbatch's
+    gradient alone, `_Reference.microbatches_alone`): their sum, each weighed by its
+    items in item mode (its gradient alone is its loss over them)."""
+    counts = setup.item_counts()
+    weights = (
+        [1] * len(alone) if counts is None else [sum(each) for each in zip(*counts, strict=True)]
+    )
+    found = {}
+    total = [torch.zeros_like(grad) for grad in alone[0]]
+    for m, (grads, weight) in enumerate(zip(alone, weights, strict=False), start=1):
+        total = [sum_ + grad * weight for sum_, grad in zip(total, grads, strict=True)]
+        found[m] = flat([total[i] for i in positions])
+    return found
 
 
 def _clipped_each(microbatches: list[list[torch.Tensor]], max_norm: float) -> list[torch.Tensor]:
@@ -938,15 +964,21 @@ class _Reference:
             second = self.setup.loss(self.model, batch)
         return not torch.equal(first, second)
 
-    def microbatches_alone(self, index: int, at: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    def microbatches_alone(
+        self, index: int, at: list[torch.Tensor], beyond: int = 0
+    ) -> list[list[torch.Tensor]]:
         """The gradient, at the parameters ``at``, of each microbatch of window ``index``
-        (from 0) alone (every rank's at that place, as one window's loss weighs them):
-        the last is what a loop that clears the gradient before every backward steps
-        with (up to a factor). Leaves the model at ``at``; read after `windows`."""
+        (from 0) alone (every rank's at that place, as one window's loss weighs them),
+        then of the ``beyond`` microbatches after it in its epoch (those there are): the
+        window's last is what a loop that clears the gradient before every backward
+        steps with (up to a factor), and sums of the first ones what a loop whose
+        window ends a microbatch off does. Leaves the model at ``at``; read after
+        `windows`."""
         self._load(at)
         params = list(self.model.parameters())
         found = []
-        for place in self.setup.windows()[index]:
+        window = self.setup.windows()[index]
+        for place in range(window.start, min(window.stop + beyond, len(self.data[0]))):
             self.model.zero_grad(set_to_none=True)
             micro = [mine[place] for mine in self.data]
             _window_loss(self.model, self.setup.loss, micro, self.setup.num_items).backward()  # type: ignore[no-untyped-call]
