@@ -194,13 +194,14 @@ def test_a_scheduler_stepped_every_microbatch_fails_on_its_count_named() -> None
 def test_averaging_microbatch_means_fails_the_item_mode() -> None:
     """A loop that averages per-microbatch means, checked against the token mean of
     microbatches of different lengths: the gradient of window 1 is off (by no constant
-    factor), then the parameters."""
+    factor), named as the mean of its microbatches' means (every rank's, as DDP averages
+    them), then the parameters."""
     for report in checked("mean_of_means"):
         assert report.mode == "items"
         assert report.max_abs_diff > 1e-3
         assert len(report.problems) == 2
         assert report.problems[0].startswith(
-            "the gradient of window 1 is off the float64 big-batch reference by"
+            "the gradient of window 1 is the mean of its microbatches' means (mean mode's "
         )
         assert report.problems[1].startswith("parameters off the float64 big-batch reference")
 

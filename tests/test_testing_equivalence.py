@@ -805,7 +805,17 @@ PARAMETERS = "parameters off the float64 big-batch reference by"
         (
             loops.hand_loop,
             {"by_items": True},
-            ["the gradient of window 1 is off the float64 big-batch reference by "],
+            [
+                "the gradient of window 1 is the mean of its microbatches' means (mean mode's "
+                "reference): does the loop average the microbatches' means instead of "
+                "dividing the window's summed loss by its items? Item mode (num_items=) "
+                "weighs each microbatch by its items; check a loop of means without num_items"
+            ],
+        ),
+        (
+            functools.partial(loops.hand_loop, divisor=1),
+            {"by_items": True},
+            ["the gradient of window 1 is 4.00x the mean of its microbatches' means (mean "],
         ),
         (
             functools.partial(loops.own_items_loop, by_steps=True),
@@ -834,6 +844,7 @@ PARAMETERS = "parameters off the float64 big-batch reference by"
         "step_one_late",
         "step_one_late_by_items",
         "mean_of_means",
+        "mean_of_means_not_divided",
         "items_divided_by_steps",
     ],
 )

@@ -146,6 +146,7 @@ def gradient_problem(
     last: torch.Tensor | None = None,
     clipped_each: torch.Tensor | None = None,
     first: dict[int, torch.Tensor] | None = None,
+    means: torch.Tensor | None = None,
     length: int,
     steps: int,
     world: int,
@@ -172,6 +173,9 @@ def gradient_problem(
             ``m`` microbatches as one window (up to a factor), by ``m``: a trainer whose
             windows end a microbatch off steps with ``m`` one from ``length``, or 1 where
             it steps after the epoch's first microbatch (``i % steps == 0``).
+        means: In item mode, the window's gradient as mean mode's reference weighs it
+            (the mean of its microbatches' item means), or None: a loop that averages
+            its microbatches' means steps with a multiple of it.
         length: The window's microbatches.
         steps: Microbatches per full window.
         world: Ranks.
@@ -245,6 +249,16 @@ def gradient_problem(
         )
     if hint := _boundary_hint(got, first or {}, length, tolerance):
         return f"the gradient of window {window} is {hint}"
+    averaged = None if means is None else _multiple_of(got, means, tolerance)
+    if averaged is not None and averaged > 0:
+        times = "" if _near(averaged, 1) else f"{averaged:.2f}x "
+        return (
+            f"the gradient of window {window} is {times}the mean of its microbatches' means "
+            "(mean mode's reference): does the loop average the microbatches' means "
+            "instead of dividing the window's summed loss by its items? Item mode "
+            "(num_items=) weighs each microbatch by its items; check a loop of means "
+            "without num_items"
+        )
     carried = ""
     if dropped_before:
         carried = (

@@ -282,7 +282,8 @@ def check_accumulation(
     it; a problem names the likely mistake where what was seen shows one: a gradient a
     constant factor off ("4.00x the reference's: is the loss divided by steps?"), the
     last partial window divided by ``steps``, the previous window's gradient left in
-    (no ``zero_grad()``), a window boundary one microbatch off (``i % steps == 0``), a
+    (no ``zero_grad()``), a window boundary one microbatch off (``i % steps == 0``), in
+    item mode a loop that averages its microbatches' means, a
     scheduler stepped per microbatch, a window never stepped or stepped with no
     gradient, DDP all-reducing on every microbatch.
 
@@ -692,6 +693,7 @@ def _run(setup: _Setup, rank: int) -> _Run:
             index, windows[index - 1].params if index else start, beyond=1
         ),
         str(reference.dtype).removeprefix("torch."),
+        lambda index: reference.mean_of_means(index, windows[index - 1].params if index else start),
     )
     several = len(optimizers) > 1
     off = grad_problem is not None or not worst <= tolerance
@@ -768,11 +770,14 @@ def _compare_gradients(
     world: int,
     microbatches_alone: Callable[[int], list[list[torch.Tensor]]],
     reference: str = "float64",
+    mean_of_means: Callable[[int], list[torch.Tensor]] | None = None,
 ) -> tuple[float, int | None, tuple[int, str] | None]:
     """The largest gap between each window's gradient and the reference's, its window,
     and what the first window off the reference shows (``microbatches_alone(index)``:
     the gradient of each of that window's microbatches alone, then of the one after it
-    in its epoch, where there is one, `_Reference.microbatches_alone`)."""
+    in its epoch, where there is one, `_Reference.microbatches_alone`; in item mode,
+    ``mean_of_means(index)``, its gradient as mean mode weighs it,
+    `_Reference.mean_of_means`)."""
     worst, where, problem = 0.0, None, None
     shapes = [grad.shape for grad in windows[0].grad] if windows else []
     lengths = setup.window_lengths()
@@ -806,6 +811,9 @@ def _compare_gradients(
                     clipped_each = flat([each[i] for i in positions])
                 if setup.windows()[index].start == 0:
                     first = _first_microbatches(setup, alone, positions)
+            means = None  # (item mode) what a loop averaging its microbatches' means gives
+            if positions is not None and setup.num_items is not None and mean_of_means:
+                means = flat([mean_of_means(index)[i] for i in positions])
             text = gradient_problem(
                 index + 1,
                 got.values,
@@ -814,6 +822,7 @@ def _compare_gradients(
                 last=last,
                 clipped_each=clipped_each,
                 first=first,
+                means=means,
                 length=lengths[index],
                 steps=setup.steps,
                 world=world,
@@ -984,6 +993,23 @@ class _Reference:
             _window_loss(self.model, self.setup.loss, micro, self.setup.num_items).backward()  # type: ignore[no-untyped-call]
             found.append([_grad_of(param) for param in params])
         return found
+
+    def mean_of_means(self, index: int, at: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The gradient, at the parameters ``at``, of window ``index`` (from 0) in item
+        mode as mean mode's reference weighs it: the mean over its microbatches (every
+        rank's) of each one's summed loss over its own items, what a loop that averages
+        its microbatches' means steps with. Leaves the model at ``at``; read after
+        `windows`."""
+        loss, count = self.setup.loss, self.setup.num_items
+
+        def item_mean(model: nn.Module, batch: Batch) -> torch.Tensor:
+            return loss(model, batch) / (1 if count is None else int(count(batch)))
+
+        self._load(at)
+        self.model.zero_grad(set_to_none=True)
+        micro = [mine[place] for mine in self.data for place in self.setup.windows()[index]]
+        _window_loss(self.model, item_mean, micro).backward()  # type: ignore[no-untyped-call]
+        return [_grad_of(param) for param in self.model.parameters()]
 
     def windows(self, hyperparameters: list[list[Any]]) -> Iterator[_Window]:
         """The reference after each window, every epoch, each optimizer stepped at the
