@@ -13,10 +13,10 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence, Sized
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from gradaccum import block, resuming
-from gradaccum.errors import ConfigError, warn
+from gradaccum.errors import ConfigError, UsageError, warn
 from gradaccum.plan import check_epoch_length
 
 if TYPE_CHECKING:
@@ -143,12 +143,38 @@ def _agreed(acc: Accumulator, iterator: Iterator[T]) -> Iterator[T]:
 
 def _hand_out(acc: Accumulator, remaining: int | None) -> None:
     """Size the window before a microbatch reaches the user's forward, and arm its sync
-    when that changed the size (otherwise the last block's exit armed it already)."""
-    window = acc._window
-    size = acc._plan.hand_out(remaining, acc._steps, window.done)
+    when that changed the size (otherwise the last block's exit armed it already).
+
+    Raises:
+        UsageError: On several ranks, the microbatch handed out before was not
+            back-propagated (`_skipped`).
+    """
+    window, plan = acc._window, acc._plan
+    if plan.pending and acc._ranks.count > 1:
+        _skipped(acc)
+    size = plan.hand_out(remaining, acc._steps, window.done)
     if size != window.size:
         window.resize(size)
         acc._block.arm()
+
+
+def _skipped(acc: Accumulator) -> NoReturn:
+    """Refuse, on several ranks, a microbatch that was handed out and not back-propagated:
+    this rank's windows would no longer line up with the others' (their all-reduces would
+    pair different windows, and the next collective another one). The refusal is this
+    rank's failure, which the other ranks name (`gradaccum.block.fail`). On one process the
+    window just takes the next microbatch."""
+    position, count = acc._plan.position, acc._ranks.count
+    msg = (
+        f"the epoch's microbatch {position} (counting from 1) was handed out but not "
+        "back-propagated (a `continue`, or an error caught in the loop body, before its `with "
+        f"acc.microstep(loss):` block): on {count} ranks every rank back-propagates every "
+        "microbatch it is handed, or the ranks' windows no longer line up; to leave a "
+        "microbatch out, back-propagate its loss times 0 instead"
+    )
+    error = UsageError(msg)
+    block.fail(acc, error)
+    raise error
 
 
 def _end(acc: Accumulator, *, guard: bool) -> None:

@@ -163,8 +163,9 @@ class EpochPlan:
         self.active = False
         if completed:
             self.epochs_completed += 1
-            self.resume_at = self.drawn = None
-            self.pending = False
+            # (a resume ends with its epoch, also one that had nothing left to hand out)
+            self.resume_at = self.drawn = self.rescale = None
+            self.resumes_run = self.pending = False
             self.length = self.trained_end = None
             self.position = self.closed_at = self.cut_at = 0
 

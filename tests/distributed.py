@@ -265,6 +265,22 @@ def fail_mid_window(rank: int, world: int) -> None:
             pass
 
 
+def skip_a_microbatch(rank: int, world: int) -> str:
+    """Rank 1 leaves its fifth microbatch out (``continue`` before its block), in the second
+    window of 3; the error each rank ends with."""
+    model = wrap("ddp", make_model())
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=3)
+    try:
+        for index, batch in enumerate(acc.epoch(rank_batches(rank, [2] * 9))):
+            if rank == 1 and index == 4:
+                continue  # "a bad batch"
+            with acc.microstep(mean_loss(model, batch)):
+                pass
+    except gradaccum.GradaccumError as error:
+        return f"{type(error).__name__}: {error}"
+    return "trained"
+
+
 def restore_flags(rank: int, world: int, kind: str, dropped: bool = False) -> list[Any]:
     """The module's sync flags before, while deferring, and after ``close()`` (or, with
     ``dropped``, after the loop dropped the accumulator mid-window, never closed)."""

@@ -294,3 +294,41 @@ def refused_when_the_epoch_begins(rank: int, world: int, root: str) -> dict[str,
 
 
 REFUSALS = {"save": saved_for_refusals, "load": refused_when_loading}
+
+
+def saved_at_an_epochs_end(rank: int, world: int, root: str, save: bool) -> Any:
+    """DDP over a DistributedSampler of 32 samples (one window of 16 a step, 2 an epoch),
+    two epochs: with ``save``, checkpointed after the first epoch's last window (step 2,
+    the epoch's end: a cadence that divides the epoch lands there), else resumed from it.
+    The parameters at the end, and the global step, or the refusal."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Linear(5, 1).double())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, optimizer, steps=gradaccum.steps_for(16, 2, world))
+    data = dataset(32)
+    sampler = DistributedSampler(data, world, rank, seed=3)
+    loader = DataLoader(data, batch_size=2, sampler=sampler)
+    path = os.path.join(root, "epoch_end")
+    if not save:
+        model.module.load_state_dict(torch.load(f"{path}.model"))  # (the same on every rank)
+        optimizer.load_state_dict(torch.load(f"{path}.optimizer"))
+        acc.load_state_dict(torch.load(f"{path}.acc"), allow_world_size_change=True)
+    try:
+        for epoch in range(acc.epochs_completed, EPOCHS):
+            sampler.set_epoch(epoch)
+            for x, y, _ in acc.epoch(loader):
+                with acc.microstep((model(x) - y).square().mean()) as step:
+                    pass
+                if save and step.boundary and acc.global_step == 2:
+                    if rank == 0:
+                        torch.save(model.module.state_dict(), f"{path}.model")
+                        torch.save(optimizer.state_dict(), f"{path}.optimizer")
+                        torch.save(acc.state_dict(), f"{path}.acc")
+                    dist.barrier()
+    except gradaccum.GradaccumError as refused:
+        return str(refused)
+    finally:
+        acc.close()
+    return acc.global_step, [param.detach().clone() for param in model.module.parameters()]

@@ -253,6 +253,23 @@ def test_a_failing_rank_makes_the_others_fail_not_hang() -> None:
     assert time.monotonic() - started < distributed.PROCESS_GROUP_TIMEOUT
 
 
+def test_a_microbatch_left_out_on_one_rank_is_that_ranks_failure() -> None:
+    """Rank 1 leaves a microbatch out of a window (``continue`` before its block): its
+    windows stopped lining up with rank 0's, whose all-reduces then paired other windows
+    (each rank applied another window 2, no error) until a collective of another size
+    aborted gloo. It is refused at the next microbatch's hand-out, as rank 1's failure,
+    which rank 0 names."""
+    rank0, rank1 = run(distributed.skip_a_microbatch, 2)
+    assert rank1.startswith(
+        "UsageError: the epoch's microbatch 5 (counting from 1) was handed out but not "
+        "back-propagated"
+    ), rank1
+    assert rank0.startswith(
+        "RankFailedError: rank 0 stopped in window 2 because rank 1 failed there first: "
+        "UsageError: the epoch's microbatch 5"
+    ), rank0
+
+
 @pytest.mark.parametrize(("kind", "sync"), [("ddp", "auto"), ("fully_shard", "boundary")])
 def test_an_unclosed_accumulator_cannot_stop_the_next_from_reducing(kind: str, sync: str) -> None:
     """The first accumulator leaves the model deferring; the second still reduces once per

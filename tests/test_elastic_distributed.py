@@ -191,3 +191,20 @@ def test_refusals_when_the_epoch_begins(outcomes: dict[str, Any]) -> None:
         "no order here counters": (2, 8),
         "another epoch counters": (2, 8),
     }
+
+
+def test_a_checkpoint_at_an_epochs_end_resumes_on_another_number_of_ranks(
+    tmp_path: Any,
+) -> None:
+    """Saved on 2 ranks after the first epoch's last window (its position is the epoch's
+    end: a checkpoint cadence that divides the epoch), resumed on 1: the resumed first
+    epoch hands out nothing, which once left its resume pending, so that the next epoch's
+    order was refused as "another epoch" ("call sampler.set_epoch(0)"). Both epochs now
+    end within 1e-12 of the uninterrupted run (the same samples, cut into one rank's
+    microbatches)."""
+    whole = run(elastic.saved_at_an_epochs_end, 2, str(tmp_path), True)[0]
+    (resumed,) = run(elastic.saved_at_an_epochs_end, 1, str(tmp_path), False)
+    assert not isinstance(resumed, str), resumed
+    assert resumed[0] == whole[0] == 4
+    for got, want in zip(resumed[1], whole[1], strict=True):
+        assert (got - want).abs().max().item() <= TOLERANCE
