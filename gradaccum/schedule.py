@@ -258,7 +258,7 @@ def interval(freq: int | float, steps_per_epoch: int) -> int:
             msg = f"freq must be an int >= 1 or a float in (0, 1), got {freq}"
             raise ConfigError(msg)
         return int(freq)
-    if isinstance(freq, numbers.Real) and not isinstance(freq, float):  # a NumPy float
+    if isinstance(freq, numbers.Real) and not isinstance(freq, (float, bool)):  # NumPy float
         freq = float(freq)
     if not isinstance(freq, float):
         msg = f"freq must be an int >= 1 or a float in (0, 1), got {describe(freq)}"
