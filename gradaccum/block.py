@@ -66,6 +66,7 @@ class Microstep:
         "num_items",
         "params",
         "plan",
+        "refusing",
         "scaler",
         "step",
         "stopped",
@@ -81,6 +82,7 @@ class Microstep:
         self._acc = cast("Callable[[], Accumulator]", weakref.ref(acc))
         self.strategy: SyncStrategy = LocalSync()
         self.watching: hooks.Watch | None = None
+        self.refusing: hooks.Refusal | None = None
         self.window, self.plan, self.grads = acc._window, acc._plan, acc._grads
         self.params = acc._params
         self.scaler = acc._options.scaler
@@ -177,9 +179,27 @@ class Microstep:
             watching.remove()
 
     def release(self) -> None:
-        """Give back what the accumulator set on the model: its sync state and its hook."""
+        """Give back what the accumulator set on the model: its sync state and its hooks."""
         self.strategy.restore()
         self.unwatch()
+        refusing, self.refusing = self.refusing, None
+        if refusing is not None:
+            refusing.remove()
+
+    def refuse_forwards(self, reason: str) -> None:
+        """This rank failed (``reason``) on several ranks, and the model's forward runs a
+        collective: refuse its forwards before that collective, which would pair with
+        another window's on the other ranks (gloo then aborts every process, with no
+        message); `release` lets them run again. A loop that catches the failure and goes
+        on gets this refusal instead, and the other ranks name this rank's failure."""
+        if self.refusing is not None or not self.strategy.forward_communicates:
+            return
+        msg = (
+            f"the model's forward was called after {reason}: its collectives would pair "
+            "with other ones on the other ranks, so gradaccum refuses it; restart every "
+            "rank from the last checkpoint"
+        )
+        self.refusing = hooks.refuse_forwards(self.acc.model, msg)
 
     def forward_failed(self, error: BaseException) -> None:
         """A forward of the model raised, outside a microstep block (the block's exit sees an
@@ -467,11 +487,15 @@ def fail(
     number = acc._global_step + (not applied)  # the window this rank stopped in
     peer = ranks.first_failure() if in_collectives else None
     if peer is not None:
-        acc._life.break_(f"rank {peer.rank} failed ({peer.what})")
+        reason = f"rank {peer.rank} failed ({peer.what})"
+        acc._life.break_(reason)
+        acc._block.refuse_forwards(reason)
         message = _rank_failed(ranks.rank, number, applied, peer)
         return RankFailedError(message, peer.rank, number, applied)
     ranks.record_failure(number, applied, error)
-    acc._life.break_(f"this rank failed in window {number} ({type(error).__name__}: {error})")
+    reason = f"this rank failed in window {number} ({type(error).__name__}: {error})"
+    acc._life.break_(reason)
+    acc._block.refuse_forwards(reason)
     return None
 
 

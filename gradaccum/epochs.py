@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 from gradaccum import block, resuming
 from gradaccum.errors import ConfigError, UsageError, warn
 from gradaccum.plan import check_epoch_length
+from gradaccum.window import State
 
 if TYPE_CHECKING:
     from gradaccum.accumulator import Accumulator
@@ -150,8 +151,8 @@ def _hand_out(acc: Accumulator, remaining: int | None) -> None:
             back-propagated (`_skipped`).
     """
     window, plan = acc._window, acc._plan
-    if plan.pending and acc._ranks.count > 1:
-        _skipped(acc)
+    if plan.pending and acc._ranks.count > 1 and acc._life.state is State.OPEN:
+        _skipped(acc)  # (a broken accumulator refuses its microsteps already)
     size = plan.hand_out(remaining, acc._steps, window.done)
     if size != window.size:
         window.resize(size)

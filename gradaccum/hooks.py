@@ -28,7 +28,9 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["Watch", "watch"]
+from gradaccum.errors import UsageError
+
+__all__ = ["Refusal", "Watch", "refuse_forwards", "watch"]
 
 
 class _Watched:
@@ -118,3 +120,41 @@ def watch(
             listeners[kind] = weakref.WeakMethod(method)
             into.append(listeners[kind])
     return Watch(key, listeners)
+
+
+# The message each refusing model's forward raises, by id() of the model (a copy of the
+# model carries the pre-hook inert, as it carries the forward hook).
+_refusing: dict[int, str] = {}
+
+
+def _refuse_forward(model: nn.Module, _: object) -> None:
+    if torch.compiler.is_compiling():
+        return
+    message = _refusing.get(id(model))
+    if message is not None:
+        raise UsageError(message)
+
+
+class Refusal:
+    """A model's forwards refused with one message (`refuse_forwards`); `remove` ends it."""
+
+    __slots__ = ("_finalizer", "_handle", "_key")
+
+    def __init__(self, model: nn.Module, message: str) -> None:
+        self._key = id(model)
+        _refusing[self._key] = message
+        # Before every other pre-hook, so before FSDP's all-gather.
+        self._handle = model.register_forward_pre_hook(_refuse_forward, prepend=True)
+        self._finalizer = weakref.finalize(model, _refusing.pop, self._key, None)
+
+    def remove(self) -> None:
+        """Let the model's forwards run again."""
+        self._handle.remove()
+        self._finalizer.detach()
+        _refusing.pop(self._key, None)
+
+
+def refuse_forwards(model: nn.Module, message: str) -> Refusal:
+    """Raise `UsageError` with ``message`` at every forward of ``model``, before any other
+    forward pre-hook of it runs, until the returned `Refusal` is removed."""
+    return Refusal(model, message)

@@ -265,6 +265,25 @@ def fail_mid_window(rank: int, world: int) -> None:
             pass
 
 
+def caught_and_carried_on(rank: int, world: int, kind: str) -> list[str]:
+    """Rank 1 raises in its fifth microbatch's block (windows of 3), and the loop catches
+    every error and goes on: what each microbatch after the fourth raised, by type and
+    start."""
+    model = wrap(kind, make_model())
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=3)
+    seen = []
+    for index, batch in enumerate(acc.epoch(rank_batches(rank, [2] * 9))):
+        try:
+            loss = mean_loss(model, batch)
+            with acc.microstep(loss):
+                if rank == 1 and index == 4:
+                    raise ValueError("a bad batch")
+        except Exception as error:  # (what the loop goes on after is the outcome)
+            seen.append(f"{type(error).__name__}: {error}"[:100])
+    acc.close()
+    return seen
+
+
 def skip_a_microbatch(rank: int, world: int) -> str:
     """Rank 1 leaves its fifth microbatch out (``continue`` before its block), in the second
     window of 3; the error each rank ends with."""

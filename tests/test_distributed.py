@@ -253,6 +253,21 @@ def test_a_failing_rank_makes_the_others_fail_not_hang() -> None:
     assert time.monotonic() - started < distributed.PROCESS_GROUP_TIMEOUT
 
 
+def test_a_failed_rank_that_carries_on_is_refused_before_its_forwards_collectives() -> None:
+    """Under ``fully_shard`` a rank whose block raised, in a loop that catches it and goes
+    on, ran its next forward's all-gather against the other rank's backward collectives:
+    gloo aborted both processes (SIGABRT), with no message. Its forwards are now refused
+    before their collectives, and the other rank's next collective fails with the note
+    naming rank 1, then its forwards are refused too; both processes end their loop."""
+    rank0, rank1 = run(distributed.caught_and_carried_on, 2, "fully_shard")
+    refused = "UsageError: the model's forward was called after "
+    assert rank1[0] == "ValueError: a bad batch"
+    assert len(rank1) > 1, rank1
+    assert all(seen.startswith(refused + "this rank failed") for seen in rank1[1:]), rank1
+    assert len(rank0) > 1, rank0
+    assert all(seen.startswith(refused + "rank 1 failed") for seen in rank0[1:]), rank0
+
+
 def test_a_microbatch_left_out_on_one_rank_is_that_ranks_failure() -> None:
     """Rank 1 leaves a microbatch out of a window (``continue`` before its block): its
     windows stopped lining up with rank 0's, whose all-reduces then paired other windows
