@@ -35,6 +35,12 @@ def fail_in_a_block(rank: int, world: int, kind: str, index: int) -> dict[str, A
         outcome.update(
             message=str(error), rank=error.rank, window=error.window, applied=error.applied
         )
+    except RuntimeError as error:  # a forward's collective: its own error, with the note
+        prefix = "gradaccum.RankFailedError: "
+        notes = [note for note in getattr(error, "__notes__", ()) if note.startswith(prefix)]
+        if not notes:
+            raise
+        outcome["message"] = notes[0].removeprefix(prefix)
     except KeyError:
         try:  # the failed rank cannot carry on: its windows no longer line up
             acc.microstep(mean_loss(model, batches[0]))

@@ -33,7 +33,8 @@ def test_a_failing_rank_is_named_under_every_wrapping(
     assert (
         f"rank 0 stopped in {stopped}: KeyError: 'rank 1 fails on purpose'" in survivor["message"]
     )
-    assert (survivor["rank"], survivor["window"], survivor["applied"]) == (1, window, applied)
+    if "rank" in survivor:  # a RankFailedError (not a forward collective's own error)
+        assert (survivor["rank"], survivor["window"], survivor["applied"]) == (1, window, applied)
     peer_window = (index // 4) + 1
     assert f"rank 1 did not apply window {peer_window}" in survivor["message"]
     if window > peer_window:  # rank 0 applied the window rank 1 failed in
