@@ -286,7 +286,7 @@ def child(loop: str, width: int, mode: str, setup: str, microsteps: int, library
         from gradaccum import hooks
 
         acc = accumulator(parts, mode, steps)
-        if setup == "ddp" and acc._strategy.forward_communicates:
+        if setup == "ddp" and acc._block.strategy.forward_communicates:
             # The several-ranks path, as on many ranks: the forward guard where the
             # forward runs a collective (DDP with buffers to broadcast; not this MLP).
             guard = hooks.watch(acc.model, failed=acc._block.forward_failed)

@@ -108,8 +108,6 @@ class Accumulator:
         2
     """
 
-    _strategy: SyncStrategy  # how the model communicates: taken by `block.Microstep.use`
-
     def __init__(
         self,
         model: nn.Module,
@@ -208,7 +206,7 @@ class Accumulator:
             raise UsageError(msg)
         if (steps == 1) is not (self._steps == 1):  # the policy becomes, or stops being, "every"
             strategy = self._strategy_for(steps)  # may refuse: then nothing has changed
-            self._strategy.restore()
+            self._block.strategy.restore()
             self._block.use(strategy)
         self._steps = steps
         self._plan.recut(steps)

@@ -48,9 +48,10 @@ class Microstep:
     loop) is freed at once, and gives back its hooks and sync state (`release`).
     ``busy`` refuses a new ``microstep()`` (a loss waits for its block, a block is open, or
     the accumulator is closed or broken: ``stopped``); the other attributes are what the
-    hot path reads, decided when the accumulator takes a strategy (`use`), what the
-    strategy was last armed with (``armed``), and the gradient a mean-mode loss is
-    back-propagated with (``unit``, for the divisor ``unit_divisor``: `scaled`).
+    hot path reads, decided when the accumulator takes a strategy (`use`, which keeps it as
+    ``strategy``), what the strategy was last armed with (``armed``), and the gradient a
+    mean-mode loss is back-propagated with (``unit``, for the divisor ``unit_divisor``:
+    `scaled`).
     """
 
     __slots__ = (
@@ -108,8 +109,7 @@ class Microstep:
     def use(self, strategy: SyncStrategy) -> None:
         """The accumulator takes ``strategy``; what it asks of the hot path is decided once,
         here."""
-        self.acc._strategy = self.strategy = strategy
-        self.armed = None
+        self.strategy, self.armed = strategy, None
         self.arms = type(strategy).arm is not LocalSync.arm  # a local module has nothing to arm
         self.watch = strategy.grads_in_params
         self.look = type(strategy).overridden is not SyncStrategy.overridden
@@ -130,7 +130,7 @@ class Microstep:
         under several ranks, and the first forward of a model taken for unwrapped on
         several processes."""
         acc = self.acc
-        strategy = acc._strategy
+        strategy = self.strategy
         sees = type(strategy).forward_done is not SyncStrategy.forward_done
         guards = acc._ranks.count > 1 and strategy.forward_communicates
         unwrapped = (
@@ -186,12 +186,14 @@ class Microstep:
         if refusing is not None:
             refusing.remove()
 
-    def refuse_forwards(self, reason: str) -> None:
-        """This rank failed (``reason``) on several ranks, and the model's forward runs a
-        collective: refuse its forwards before that collective, which would pair with
-        another window's on the other ranks (gloo then aborts every process, with no
-        message); `release` lets them run again. A loop that catches the failure and goes
-        on gets this refusal instead, and the other ranks name this rank's failure."""
+    def broken(self, reason: str) -> None:
+        """On several ranks a rank failed (``reason``): the ranks' windows no longer line
+        up, so the accumulator takes no more calls, and where the model's forward runs a
+        collective its forwards are refused before it, since it would pair with another
+        window's on the other ranks (gloo then aborts every process, with no message);
+        `release` lets them run again. A loop that catches the failure and goes on gets
+        this refusal instead, and the other ranks name this rank's failure."""
+        self.acc._life.break_(reason)
         if self.refusing is not None or not self.strategy.forward_communicates:
             return
         msg = (
@@ -199,7 +201,7 @@ class Microstep:
             "with other ones on the other ranks, so gradaccum refuses it; restart every "
             "rank from the last checkpoint"
         )
-        self.refusing = hooks.refuse_forwards(self.acc.model, msg)
+        self.refusing = hooks.Refusal(self.acc.model, msg)
 
     def forward_failed(self, error: BaseException) -> None:
         """A forward of the model raised, outside a microstep block (the block's exit sees an
@@ -393,7 +395,7 @@ def prepare_boundary(acc: Accumulator) -> Step:
         stepper.unscale()
     norm = None
     if options.max_grad_norm is not None:
-        norm = boundary.clip(acc._strategy, params, options.max_grad_norm)
+        norm = boundary.clip(acc._block.strategy, params, options.max_grad_norm)
     step = Step(
         True,
         acc._global_step + 1,
@@ -487,15 +489,11 @@ def fail(
     number = acc._global_step + (not applied)  # the window this rank stopped in
     peer = ranks.first_failure() if in_collectives else None
     if peer is not None:
-        reason = f"rank {peer.rank} failed ({peer.what})"
-        acc._life.break_(reason)
-        acc._block.refuse_forwards(reason)
+        acc._block.broken(f"rank {peer.rank} failed ({peer.what})")
         message = _rank_failed(ranks.rank, number, applied, peer)
         return RankFailedError(message, peer.rank, number, applied)
     ranks.record_failure(number, applied, error)
-    reason = f"this rank failed in window {number} ({type(error).__name__}: {error})"
-    acc._life.break_(reason)
-    acc._block.refuse_forwards(reason)
+    acc._block.broken(f"this rank failed in window {number} ({type(error).__name__}: {error})")
     return None
 
 
@@ -593,7 +591,7 @@ def _warn_overridden(acc: Accumulator, actual: bool) -> None:
     """This backward will communicate otherwise than was armed: DDP's forward saw another
     flag (it ran ahead of its block, or inside a ``no_sync()`` of the user's own), or
     someone else turned the wrapper's sync off or on since it was armed."""
-    window, strategy = acc._window, acc._strategy
+    window, strategy = acc._window, acc._block.strategy
     will = "reduce" if actual else "not reduce"
     lost = (
         ", so this window's gradient is not reduced over the ranks and its update is "

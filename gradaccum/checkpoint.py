@@ -131,9 +131,10 @@ def load(
 
 def _check_grads_in_params(acc: Accumulator, refused: str) -> None:
     """Refuse to save or load an open window where its gradient is not ``param.grad``."""
-    if not acc._strategy.grads_in_params:
+    strategy = acc._block.strategy
+    if not strategy.grads_in_params:
         msg = (
-            f"{refused} this window: under {type(acc._strategy).__name__} its partial "
+            f"{refused} this window: under {type(strategy).__name__} its partial "
             "gradient is held by the wrapper (unsharded buffers, a pending all-reduce) "
             "or sharded over the ranks, which gradaccum does not save; checkpoint after "
             "a window's last microstep"

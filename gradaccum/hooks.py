@@ -30,7 +30,7 @@ from torch.utils.hooks import RemovableHandle
 
 from gradaccum.errors import UsageError
 
-__all__ = ["Refusal", "Watch", "refuse_forwards", "watch"]
+__all__ = ["Refusal", "Watch", "watch"]
 
 
 class _Watched:
@@ -136,7 +136,8 @@ def _refuse_forward(model: nn.Module, _: object) -> None:
 
 
 class Refusal:
-    """A model's forwards refused with one message (`refuse_forwards`); `remove` ends it."""
+    """Raise `UsageError` with ``message`` at every forward of ``model``, before any other
+    forward pre-hook of it runs, until `remove`."""
 
     __slots__ = ("_finalizer", "_handle", "_key")
 
@@ -152,9 +153,3 @@ class Refusal:
         self._handle.remove()
         self._finalizer.detach()
         _refusing.pop(self._key, None)
-
-
-def refuse_forwards(model: nn.Module, message: str) -> Refusal:
-    """Raise `UsageError` with ``message`` at every forward of ``model``, before any other
-    forward pre-hook of it runs, until the returned `Refusal` is removed."""
-    return Refusal(model, message)

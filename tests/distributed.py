@@ -349,7 +349,7 @@ def verify_rows_with_late_arming(rank: int, world: int) -> Any:
 
     def arm_then_enter(self: Microstep) -> Any:
         acc = self.acc
-        acc._strategy.arm(acc.sync_gradients or acc._options.sync == "every")
+        acc._block.strategy.arm(acc.sync_gradients or acc._options.sync == "every")
         return enter(self)
 
     Microstep.arm = lambda self: None  # type: ignore[method-assign]
