@@ -39,7 +39,8 @@ class Params:
     """The optimizers' parameters, cached until their groups change.
 
     Worked out when made; `now` checks the groups (each optimizer's list of them, by
-    identity and length: a few reads) and, when they changed, works out again the list,
+    identity and length: a few reads) and the first parameter of each device and dtype
+    (converted in place by ``model.to(...)``) and, when they changed, works out again the list,
     its order in the model, its grouping by device and dtype and where a wipe is watched;
     `ordered`, `grads_by_kind` and `watched` read what `now` made.
 
@@ -87,15 +88,30 @@ class Params:
         one = self._one
         if one is not None:
             groups = one.param_groups
-            if groups is self._one_groups and len(groups) == self._one_count:
+            if groups is self._one_groups and len(groups) == self._one_count and self._kinds_hold():
                 return self._list
-        elif (seen := self._groups) and all(
-            optimizer.param_groups is groups and len(groups) == length
-            for optimizer, (groups, length) in zip(self._optimizers, seen, strict=True)
+        elif (
+            (seen := self._groups)
+            and all(
+                optimizer.param_groups is groups and len(groups) == length
+                for optimizer, (groups, length) in zip(self._optimizers, seen, strict=True)
+            )
+            and self._kinds_hold()
         ):
             return self._list
         self._work_out()
         return self._list
+
+    def _kinds_hold(self) -> bool:
+        """The grouping by device and dtype still holds: ``model.to(torch.float64)``,
+        ``.half()`` or ``.to(device)`` between windows converts the parameters in place
+        (the same objects, in the same groups), and the first of each group tells. A
+        conversion of some parameters only, none of them first in its group, is not seen:
+        their factor is then multiplied in the dtype worked out before."""
+        return all(
+            group[0].dtype is dtype and group[0].device == device
+            for device, dtype, group, _, _ in self._by_kind
+        )
 
     def _work_out(self) -> None:
         optimizers = self._optimizers

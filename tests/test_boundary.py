@@ -81,3 +81,50 @@ def test_a_group_added_between_windows_is_normalized_clipped_and_checked() -> No
             pass
     assert step.skipped
     assert acc.skipped_steps == 1
+
+
+def test_a_model_converted_between_windows_is_normalized_in_its_new_dtype() -> None:
+    """``model.double()`` between windows converts the parameters in place (the same
+    objects in the same groups): the next window's item total is divided in float64, so
+    the float32 model turned float64 matches its float64 big-batch reference to rounding,
+    as an accumulator built after the conversion does, bit for bit."""
+
+    def train(rebuild: bool) -> torch.nn.Module:
+        model = make_model(dtype=torch.float32)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        acc = gradaccum.Accumulator(model, optimizer, steps=2)
+        for index, batch in enumerate(make_batches([3, 5, 7, 2], dtype=torch.float32)):
+            if index == 2:
+                model.double()
+                if rebuild:
+                    acc.close()
+                    acc = gradaccum.Accumulator(model, optimizer, steps=2)
+            inputs, targets = (tensor.to(next(model.parameters()).dtype) for tensor in batch)
+            loss = sum_loss(model, (inputs, targets))
+            with acc.microstep(loss, num_items=torch.tensor(len(inputs))):
+                pass
+        acc.close()
+        return model
+
+    kept, rebuilt = train(rebuild=False), train(rebuild=True)
+    pairs = zip(kept.parameters(), rebuilt.parameters(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+    # The reference: the first window as trained, then one float64 big batch.
+    model = make_model(dtype=torch.float32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, optimizer, steps=2)
+    batches = make_batches([3, 5, 7, 2], dtype=torch.float32)
+    for batch in batches[:2]:
+        with acc.microstep(sum_loss(model, batch), num_items=len(batch[0])):
+            pass
+    acc.close()
+    model.double()
+    inputs, targets = (torch.cat([b[i] for b in batches[2:]]).double() for i in (0, 1))
+    mean = sum_loss(model, (inputs, targets)) / len(inputs)
+    grads = torch.autograd.grad(mean, [*model.parameters()])
+    with torch.no_grad():
+        for param, grad in zip(model.parameters(), grads, strict=True):
+            param -= 0.1 * grad
+    pairs = zip(kept.parameters(), model.parameters(), strict=True)
+    gap = max((a - b).abs().max().item() for a, b in pairs)
+    assert gap < 1e-15
