@@ -36,7 +36,7 @@ class GradWatch:
     block, before the step, is caught (`dropped`).
     """
 
-    __slots__ = ("grad", "param", "rest", "version")
+    __slots__ = ("grad", "lists", "param", "rest", "version")
 
     def __init__(self) -> None:
         # The first watched gradient is kept apart, so that the microstep reads it inline
@@ -45,12 +45,14 @@ class GradWatch:
         self.grad: torch.Tensor | None = None
         self.version = 0
         self.rest: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # param, grad, version
+        self.lists: list[list[torch.Tensor]] = []  # what each wipe reaches (`start`)
 
     def start(self, first: torch.Tensor | None, candidates: list[list[torch.Tensor]]) -> None:
         """After a window's first backward: watch the first gradient of each list of
         ``candidates`` (each optimizer's parameters, and the model's in its order), or only
         ``first`` where every wipe reaches it (`gradaccum.boundary.Params.first`) and it
         has a gradient."""
+        self.lists = candidates
         if first is not None:
             grad = first.grad
             if grad is not None:
@@ -92,9 +94,10 @@ class GradWatch:
                     return "wiped"
                 grad, version = replaced, replaced._version
             elif grad._version != version:
-                # Changed in place: wiped only if it is now all zero.
+                # Changed in place: wiped only if it is now all zero, and so is every
+                # other gradient that a wipe of it zeroes (`_zero_already`).
                 version = grad._version
-                if not bool(grad.any()):
+                if not bool(grad.any()) and not _zero_already(param, self.lists):
                     return "wiped"
                 found = "changed"
             now.append((param, grad, version))
@@ -117,6 +120,20 @@ class GradWatch:
         self.param = self.grad = None
         if self.rest:  # (most windows watch one gradient: no new list for them)
             self.rest = []
+
+
+def _zero_already(param: torch.Tensor, lists: list[list[torch.Tensor]]) -> bool:
+    """``param``'s gradient, now all zero, was changed in place by something other than a
+    ``zero_grad(set_to_none=False)``, which zeroes every gradient of its optimizer (or
+    model): in each list of ``lists`` that holds it, another one is not zero. So it was
+    zero already, as a LoRA adapter's is while its partner starts at zero, and was scaled
+    (clipped, say). Host syncs, read only when a watched gradient is all zero after an
+    in-place change."""
+    return all(
+        any(other.grad is not None and bool(other.grad.any()) for other in params)
+        for params in lists
+        if any(other is param for other in params)
+    )
 
 
 def _same(grad: torch.Tensor, other: torch.Tensor) -> bool:

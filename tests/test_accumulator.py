@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -432,6 +433,40 @@ class TestMisuseThatLosesData:
         step_once(acc, mean_loss(model, BATCHES[0]))
         with acc.microstep(mean_loss(model, BATCHES[1])):
             next(model.parameters()).grad = None
+        assert acc.global_step == 1
+        assert_params_equal(model, hand)
+        acc.close()
+
+    def test_a_clip_over_an_adapter_whose_gradient_is_zero_is_no_zero_grad(self) -> None:
+        """A LoRA adapter starts with its second matrix at zero, so the first one's
+        gradient (the optimizer's first, the one watched) is all zero; a clip left in the
+        loop body scales it in place. That is warned about as a change of the partial
+        gradient, not refused as a ``zero_grad()`` (another gradient of the optimizer is
+        not zero), and the window steps as the hand loop does."""
+
+        def adapter() -> torch.nn.Module:
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(5, 2), torch.nn.Linear(2, 1))
+            with torch.no_grad():
+                model[1].weight.zero_()  # (lora_B's initialization)
+            return model.double()
+
+        hand, model = adapter(), adapter()
+        hand_optimizer = torch.optim.SGD(hand.parameters(), lr=LR)
+        for batch in BATCHES[:2]:
+            (mean_loss(hand, batch) / 2).backward()
+            torch.nn.utils.clip_grad_norm_(hand.parameters(), 1e-3)
+        hand_optimizer.step()
+        acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=LR), steps=2)
+        step_once(acc, mean_loss(model, BATCHES[0]))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with acc.microstep(mean_loss(model, BATCHES[1])) as step:
+                assert step.boundary
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        assert [w.category for w in caught] == [gradaccum.GradaccumWarning]
+        assert "changed in place" in str(caught[0].message)
         assert acc.global_step == 1
         assert_params_equal(model, hand)
         acc.close()

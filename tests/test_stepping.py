@@ -119,15 +119,17 @@ def test_a_step_by_hand_of_any_optimizer_is_refused_in_a_window_and_warned_betwe
         optimizers[1].step()
 
 
-def test_a_zero_grad_of_any_optimizer_inside_a_window_is_refused() -> None:
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_zero_grad_of_any_optimizer_inside_a_window_is_refused(set_to_none: bool) -> None:
     """The watch follows one gradient of every optimizer: the second optimizer's
-    ``zero_grad()`` wipes only its own share, and is still caught."""
+    ``zero_grad()`` wipes only its own share, and is still caught (zeroed in place too,
+    while the first optimizer's gradients are not zero)."""
     model, optimizers, schedulers = parts()
     acc = gradaccum.Accumulator(model, optimizers, schedulers, steps=3)
     batch = make_batches([2])[0]
     with acc.microstep(mean_loss(model, batch)):
         pass
-    optimizers[1].zero_grad()
+    optimizers[1].zero_grad(set_to_none=set_to_none)
     with pytest.raises(gradaccum.UsageError, match="zero_grad"):  # noqa: SIM117
         with acc.microstep(mean_loss(model, batch)):
             pass
