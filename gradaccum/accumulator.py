@@ -137,6 +137,10 @@ class Accumulator:
         previous = _owners_between_windows(parts.optimizers)
         self.model = model
         strategy = self._strategy_for(steps)
+        driver = block.driver_of(strategy)
+        if driver is not None and not any(driver is seen for seen in previous):
+            _refuse_open_window(driver, "model's gradient sync (its DDP or FSDP)", "model")
+            previous.append(driver)
         # Everything is validated: from here on the accumulator changes state.
         _take_over(previous)
         self.optimizer, self.scheduler = optimizer, scheduler
@@ -457,24 +461,39 @@ def _owners_between_windows(
         owner: Accumulator | None = stepping.owner_of(optimizer)
         if owner is None or any(owner is seen for seen in previous):
             continue
-        if owner._window.is_open:
-            msg = (
-                f"optimizer is owned by another open Accumulator, whose window is open "
-                f"({owner._window.where()}); finish that window and close() it, or pass "
-                "another optimizer"
-            )
-            raise UsageError(msg)
+        _refuse_open_window(owner, "optimizer", "optimizer")
         previous.append(owner)
     return previous
 
 
+def _refuse_open_window(owner: Accumulator, what: str, other: str) -> None:
+    """Refuse to take ``what`` over from ``owner`` while its window is open (or pass
+    another ``other``).
+
+    Raises:
+        UsageError: Taking over would lose that window.
+    """
+    if owner._window.is_open:
+        msg = (
+            f"the {what} is owned by another open Accumulator, whose window is open "
+            f"({owner._window.where()}); finish that window and close() it, or pass "
+            f"another {other}"
+        )
+        raise UsageError(msg)
+
+
 def _take_over(previous: list[Accumulator]) -> None:
-    """Close the accumulators whose optimizers a newer one takes, and say so."""
+    """Close the accumulators whose optimizers, or whose model's gradient sync, a newer
+    one takes, and say so: one accumulator at a time steps an optimizer and sets a
+    wrapper's sync (two at once over one DDP model would each arm it for their own
+    windows, and the ranks drift apart)."""
     for owner in previous:
-        owner._life.close(" (a newer Accumulator took over its optimizer)")
+        owner._life.close(" (a newer Accumulator took over its optimizer or its model)")
         owner.close()
         warn(
-            "this Accumulator closed the previous Accumulator on the same optimizer (it was "
-            "between windows), and steps the optimizer from now on; close() an accumulator "
-            "when you are done with it"
+            "this Accumulator closed the previous Accumulator on the same optimizer or the "
+            "same DDP or FSDP model (it was between windows), and steps the optimizer and "
+            "sets the model's gradient sync from now on; close() an accumulator when you "
+            "are done with it (for two models trained in turn, such as a GAN's, wrap each "
+            "in its own DDP)"
         )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NoReturn, cast
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import torch
 
@@ -31,11 +31,26 @@ __all__ = [
     "check_items",
     "clear_window",
     "close_window",
+    "driver_of",
     "fail",
     "prepare_boundary",
     "refuse",
     "refuse_close",
 ]
+
+
+# Each wrapper whose sync state an open accumulator sets (`SyncStrategy.wrappers`), and
+# that accumulator's block: one sets it at a time (`driver_of`).
+_drivers: weakref.WeakKeyDictionary[Any, Microstep] = weakref.WeakKeyDictionary()
+
+
+def driver_of(strategy: SyncStrategy) -> Accumulator | None:
+    """The open accumulator that sets the sync state of one of ``strategy``'s wrappers."""
+    for wrapper in strategy.wrappers:
+        started = _drivers.get(wrapper)
+        if started is not None:
+            return started._acc()
+    return None
 
 
 class Microstep:
@@ -110,6 +125,8 @@ class Microstep:
         """The accumulator takes ``strategy``; what it asks of the hot path is decided once,
         here."""
         self.strategy, self.armed = strategy, None
+        for wrapper in strategy.wrappers:
+            _drivers[wrapper] = self
         self.arms = type(strategy).arm is not LocalSync.arm  # a local module has nothing to arm
         self.watch = strategy.grads_in_params
         self.look = type(strategy).overridden is not SyncStrategy.overridden
@@ -180,6 +197,9 @@ class Microstep:
 
     def release(self) -> None:
         """Give back what the accumulator set on the model: its sync state and its hooks."""
+        for wrapper in self.strategy.wrappers:
+            if _drivers.get(wrapper) is self:
+                del _drivers[wrapper]
         self.strategy.restore()
         self.unwatch()
         refusing, self.refusing = self.refusing, None

@@ -63,12 +63,16 @@ class SyncStrategy(Protocol):
             failed first (one hook on the model, which costs each of its calls torch's
             slow module call, about 9,000 instructions); a forward without a collective
             cannot fail because another rank did, and is not watched.
+        wrappers: The modules whose sync state the strategy sets (default none): one
+            accumulator at a time sets it, so a new accumulator over the same wrapper
+            takes it over from an open one, as it takes over an optimizer.
     """
 
     group: dist.ProcessGroup | None
     grads_in_params: bool = False
     decides_in_forward: bool = False
     forward_communicates: bool = True
+    wrappers: tuple[Any, ...] = ()
 
     def arm(self, sync: bool) -> bool | None:
         """Prepare the next backward: ``True`` on a window's last microstep (or under
@@ -144,7 +148,7 @@ class DDPSync(SyncStrategy):
         self._defer = defer
         self.group: dist.ProcessGroup | None = ddp.process_group
         self.forward_communicates = _broadcasts_buffers(ddp)
-        self._ddps: tuple[Any, ...] = (ddp,)  # (what `restore` puts back: every one held)
+        self.wrappers: tuple[Any, ...] = (ddp,)  # (what `restore` puts back: every one held)
         self._founds = [_ddp_found(ddp)]
         self._armed = ddp.require_backward_grad_sync
         self._holds = True
@@ -156,7 +160,7 @@ class DDPSync(SyncStrategy):
         return any(
             getattr(ddp, "static_graph", False)
             and getattr(ddp, "_static_graph_delay_allreduce_enqueued", False) is not True
-            for ddp in self._ddps
+            for ddp in self.wrappers
         )
 
     def _will_sync(self, sync: bool) -> bool:
@@ -183,7 +187,7 @@ class DDPSync(SyncStrategy):
     def restore(self) -> None:
         """Put back each flag as it was found (before any strategy still holding it set it)."""
         holds, self._holds = self._holds, False
-        for ddp, found in zip(self._ddps, self._founds, strict=True):
+        for ddp, found in zip(self.wrappers, self._founds, strict=True):
             ddp.require_backward_grad_sync = found
             if holds:
                 _before.give(ddp)
@@ -241,6 +245,7 @@ class NoSyncContext(SyncStrategy):
 
     def __init__(self, module: Any, *, defer: bool, group: dist.ProcessGroup | None) -> None:
         self._module = module
+        self.wrappers = (module,)
         self._defer = defer
         self.group = group
         self._held: AbstractContextManager[Any] | None = None
@@ -280,6 +285,7 @@ class FullyShardSync(SyncStrategy):
 
     def __init__(self, modules: list[Any], policy: SyncPolicy) -> None:
         self._modules = modules
+        self.wrappers = tuple(modules)
         self._policy = policy
         info = _mesh_info(modules)
         _check_averaging(modules, info.mesh.size())
@@ -483,13 +489,13 @@ class SeveralDDPSync(DDPSync):
 
     def __init__(self, ddps: Sequence[Any], *, defer: bool) -> None:
         super().__init__(ddps[0], defer=defer)
-        self._ddps = tuple(ddps)
+        self.wrappers = tuple(ddps)
         self.forward_communicates = any(_broadcasts_buffers(ddp) for ddp in ddps)
         self._founds += [_ddp_found(ddp) for ddp in ddps[1:]]
 
     def overridden(self) -> bool | None:
         """Whether this backward reduces, if that is not what was armed, on any of them."""
-        for ddp in self._ddps:
+        for ddp in self.wrappers:
             seen: bool = ddp.require_forward_param_sync
             if seen is not self._armed:
                 return seen
@@ -499,7 +505,7 @@ class SeveralDDPSync(DDPSync):
         """All-reduce in the next backward, on every one, unless it is deferred; False
         where a static graph's first iteration all-reduces all the same."""
         self._armed = armed = self._will_sync(sync)
-        for ddp in self._ddps:
+        for ddp in self.wrappers:
             ddp.require_backward_grad_sync = armed
         return armed is sync
 

@@ -259,3 +259,40 @@ def zero_grad_in_a_window(rank: int, world: int) -> dict[str, Any]:
             refused = f"{type(error).__name__}: {error}"
     acc.close()
     return {"trained": trained, "refused": refused}
+
+
+def two_accumulators_over_one_ddp(rank: int, world: int, kind: str) -> dict[str, Any]:
+    """A DDP (or ``fully_shard``) model whose two halves have an optimizer each, and an
+    accumulator per optimizer built one after the other, as a GAN's loop would: the second
+    takes the model over mid-window (refused) and between windows (the first is closed,
+    with a warning); the second then trains as the hand loop does, every window reduced."""
+    model = wrap(kind, make_model())
+    first, second = (torch.optim.SGD(list(model.parameters())[half::2], lr=0.1) for half in (0, 1))
+    batches = rank_batches(rank, [2] * 4)
+    found: dict[str, Any] = {}
+    acc = gradaccum.Accumulator(model, first, steps=2)
+    with acc.microstep(mean_loss(model, batches[0])):
+        pass
+    try:
+        gradaccum.Accumulator(model, second, steps=2)
+    except gradaccum.UsageError as error:
+        found["mid-window"] = str(error)
+    with acc.microstep(mean_loss(model, batches[1])):
+        pass
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        taker = gradaccum.Accumulator(model, second, steps=2)
+    found["warnings"] = [str(w.message) for w in caught]
+    try:
+        acc.microstep(mean_loss(model, batches[2]))
+    except gradaccum.UsageError as error:
+        found["first after"] = str(error)
+    counter = CollectiveCounter(second)
+    with counter:
+        for batch in batches[2:]:
+            with taker.microstep(mean_loss(model, batch)):
+                pass
+    taker.close()
+    found["backwards"] = [window.backwards.get("all_reduce", 0) for window in counter.windows]
+    found["params"] = full_params(model, kind)
+    return found

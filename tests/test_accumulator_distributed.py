@@ -5,6 +5,7 @@ the optimizer step counts the window as applied on every rank."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests import accumulator_distributed
@@ -114,3 +115,22 @@ def test_zero_grad_in_a_window_is_each_ranks_own_refusal_under_ddp() -> None:
         assert outcome["trained"] == 6
         assert outcome["refused"].startswith("UsageError: the gradient of this window"), outcome
         assert "zero_grad" in outcome["refused"]
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fully_shard"])
+def test_a_second_accumulator_over_the_same_ddp_model_takes_it_over(kind: str) -> None:
+    """Two accumulators over one DDP (or ``fully_shard``) model with an optimizer each: one
+    sets the wrapper's sync at a time. The second is refused while the first's window is
+    open, and between windows closes the first (which then refuses its microsteps) with a
+    warning; its window then reduces as the hand loop's does, and the ranks agree (they
+    drifted apart when both armed the same DDP for their own windows)."""
+    outcomes = run(accumulator_distributed.two_accumulators_over_one_ddp, 2, kind)
+    for found in outcomes:
+        assert "owned by another open Accumulator, whose window is open" in found["mid-window"]
+        assert "pass another model" in found["mid-window"]
+        assert any("closed the previous Accumulator" in w for w in found["warnings"])
+        assert "closed Accumulator (a newer Accumulator took over" in found["first after"]
+        if kind == "ddp":
+            assert found["backwards"] == [1]
+    for got, want in zip(outcomes[0]["params"], outcomes[1]["params"], strict=True):
+        assert torch.equal(got, want)
