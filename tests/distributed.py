@@ -66,7 +66,10 @@ class Pair(nn.Module):
 
 
 def wrap(kind: str, model: nn.Module) -> nn.Module:
-    """``model`` wrapped as ``kind``; the compiled ones use the default backend, inductor."""
+    """``model`` wrapped as ``kind``; the compiled ones use the default backend, inductor.
+    Trained inside a `CollectiveCounter` (`train`) they run eagerly (torch compiles no
+    frame under a dispatch mode): what they test there is that the accumulator finds DDP
+    through the compiled wrapper; `tests.edges_distributed.compiled_step` compiles."""
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 import gradaccum
-from gradaccum.testing import CollectiveCounter
+from gradaccum.testing import CollectiveCounter, DDPBucketCounter
 from tests.distributed import full_params, rank_batches, wrap
 from tests.helpers import make_model, mean_loss
 
@@ -115,12 +115,18 @@ def compiled_step(
     and the microstep block in one function, as trainers that compile their step write it;
     or, without ``accumulator``, the hand loop's step compiled the same way (DDP's flag
     set before the forward, loss / steps, clipping at 0.5). AdamW; the parameters after
-    the epoch, the optimizer steps, the backward passes that all-reduced, and gradaccum's
-    warnings."""
+    the epoch, the optimizer steps, the graphs dynamo compiled, under DDP the buckets it
+    all-reduced, and gradaccum's warnings.
+
+    No `CollectiveCounter` runs around it: dynamo runs every frame eagerly while a
+    dispatch mode is on (testing.md), and this is what compiles."""
+    from torch._dynamo.utils import counters
+
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    counter = CollectiveCounter(optimizer)
     ddp = hasattr(model, "require_backward_grad_sync")
-    with warnings.catch_warnings(record=True) as caught, counter:
+    buckets = DDPBucketCounter(model) if ddp else None
+    graphs = counters["stats"]["unique_graphs"]
+    with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if accumulator:
             acc = gradaccum.Accumulator(model, optimizer, steps=steps, max_grad_norm=0.5)
@@ -153,7 +159,8 @@ def compiled_step(
     return {
         "params": [param.detach().clone() for param in model.parameters()],
         "stepped": stepped,
-        "backwards": dict(counter.counts.backwards),
+        "graphs": counters["stats"]["unique_graphs"] - graphs,
+        "buckets": None if buckets is None else buckets.buckets,
         "warnings": [str(w.message) for w in caught if "gradaccum" in w.category.__module__],
     }
 

@@ -196,4 +196,6 @@ def test_a_compiled_training_step(steps: int) -> None:
     hand = compiled_step(make_model(), batches, steps=steps, accumulator=False)
     assert all(torch.equal(a, b) for a, b in zip(ours["params"], hand["params"], strict=True))
     assert ours["stepped"] == hand["stepped"] == 13 // steps
+    assert ours["graphs"] > 0  # compiled, not run eagerly
+    assert hand["graphs"] > 0
     assert ours["warnings"] == []

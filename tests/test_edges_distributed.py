@@ -96,7 +96,9 @@ def test_a_compiled_training_step_under_ddp() -> None:
         ours, hand = found["accumulator"], found["hand"]
         assert all(torch.equal(a, b) for a, b in zip(ours["params"], hand["params"], strict=True))
         assert ours["stepped"] == hand["stepped"] == 3
-        assert ours["backwards"] == hand["backwards"] == {"all_reduce": 3}
+        assert ours["buckets"] == hand["buckets"] == 3  # one bucket, once a window
+        assert ours["graphs"] > 0
+        assert hand["graphs"] > 0
         assert ours["warnings"] == []
 
 

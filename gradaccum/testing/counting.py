@@ -280,6 +280,10 @@ class CollectiveCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]  # 
     AdamW keep on the CPU on every device (and read with ``.item()`` each step), counters
     a trainer keeps itself, the CPU side of a device run.
 
+    Inside it ``torch.compile`` runs eagerly: dynamo compiles no frame while a dispatch
+    mode is on, so that the mode sees every op (torch 2.13 also keeps the frames it
+    skipped from compiling later in the process: pytorch#190286).
+
     What it does not see: a DDP communication hook that sends through something other
     than a ``ProcessGroup`` (count with `DDPBucketCounter` instead), collectives issued
     in C++ extensions outside ``torch.distributed``; as host syncs, ``.tolist()``,
