@@ -1158,3 +1158,52 @@ def test_what_cannot_be_checked_is_refused_before_training(
 def test_batches_for_another_number_of_ranks_than_the_group_s_are_refused() -> None:
     with pytest.raises(gradaccum.ConfigError, match="microbatches of 2 ranks but this process"):
         check_accumulation(make_model, loops.sgd, loops.hand_loop, BATCHES * 2, mean_loss, steps=4)
+
+
+def normed_model() -> torch.nn.Module:
+    """A float32 MLP whose first layer's bias feeds a batch norm: its true gradient is 0,
+    its float32 one rounding."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(5, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh(), torch.nn.Linear(8, 1)
+    )
+
+
+def adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2)
+
+
+def decayed_by_hand_loop(model: Any, optimizer: Any, scheduler: Any, batches: Any) -> None:
+    """The hand loop, then a weight decay of its own after each step (not the
+    optimizer's): its parameters are no optimizer step of its gradients."""
+    for index, batch in enumerate(batches[: len(batches) // 4 * 4]):
+        (mean_loss(model, batch) / 4).backward()
+        if index % 4 == 3:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.mul_(0.99)
+
+
+def test_adam_s_step_of_a_rounding_level_gradient_is_no_false_alarm() -> None:
+    """A correct float32 AdamW loop over a bias whose true gradient is 0 (before a batch
+    norm): Adam turns its float32 rounding into steps of the learning rate, which the
+    float64 reference does not take, so its parameters are off the reference by far more
+    than the tolerance, with its gradients on it. That passes, and the report says why:
+    a float64 copy of the optimizer stepped with the trainer's own gradients lands on its
+    parameters. A loop that changes its parameters after the step is still failed."""
+    batches = make_batches([3] * 13, dtype=torch.float32)
+    report = check_accumulation(normed_model, adamw, loops.hand_loop, [batches], mean_loss, steps=4)
+    assert report.ok, report
+    assert report.max_abs_diff > report.tolerance  # (the gap that failed it before)
+    assert report.max_grad_diff <= report.tolerance
+    assert report.amplified is not None
+    assert report.amplified <= report.tolerance
+    assert "the parameters' gap to the reference is the optimizer's" in repr(report)
+    decayed = check_accumulation(
+        normed_model, adamw, decayed_by_hand_loop, [batches], mean_loss, steps=4
+    )
+    assert not decayed.ok
+    assert any(problem.startswith("parameters off the float64") for problem in decayed.problems)
+    assert decayed.amplified is None
