@@ -667,3 +667,18 @@ def exit_on_rank_1(rank: int, world: int) -> int:
     if rank == 1:
         os._exit(3)
     return rank
+
+
+def total_of(rank: int, world: int, tensors: list[torch.Tensor]) -> float:
+    """The sum of every value of ``tensors``."""
+    return float(sum(tensor.sum() for tensor in tensors))
+
+
+def launch_variables(rank: int, world: int) -> dict[str, str | None]:
+    """The launch variables torchrun sets, as this rank sees them."""
+    import os
+
+    return {
+        name: os.environ.get(name)
+        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+    }

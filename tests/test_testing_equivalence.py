@@ -1129,6 +1129,8 @@ BATCHES = [make_batches([2] * 8)]
         ),
         ({"tolerance": -1.0}, gradaccum.ConfigError, "tolerance must be a non-negative number"),
         ({"backend": "mpi"}, gradaccum.ConfigError, "backend must be one of 'gloo', 'nccl'"),
+        ({"timeout": 0}, gradaccum.ConfigError, "timeout must be a positive number of seconds"),
+        ({"timeout": "60"}, gradaccum.ConfigTypeError, "timeout must be a positive number"),
         (
             {"batches": BATCHES * 2, "train": lambda *args: None},
             gradaccum.ConfigTypeError,

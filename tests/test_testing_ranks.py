@@ -22,6 +22,22 @@ def test_every_rank_returns_in_rank_order() -> None:
     assert run_ranks(pow, 3, timeout=30) == [0, 1, 8]  # pow(rank, world_size)
 
 
+def test_any_number_of_tensors_reaches_the_ranks() -> None:
+    """Arguments holding 300 tensors: sent as one buffer, not as a file descriptor per
+    tensor (the forkserver sends at most 256)."""
+    tensors = [torch.full((2,), float(i)) for i in range(300)]
+    assert run_ranks(loops.total_of, 2, (tensors,), timeout=30) == [299 * 300.0] * 2
+
+
+def test_each_rank_has_the_variables_torchrun_sets() -> None:
+    """``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``: Accelerate reads
+    them to know that it runs distributed."""
+    assert run_ranks(loops.launch_variables, 2, timeout=30) == [
+        {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+        for rank in range(2)
+    ]
+
+
 def test_a_failing_rank_brings_its_traceback_and_the_others_their_results() -> None:
     """math.log(0, 2) raises on rank 0; rank 1 returns log(1, 2)."""
     with pytest.raises(LaunchError) as caught:
@@ -69,9 +85,10 @@ def test_a_hang_is_killed_and_reported_with_the_waiting_rank_s_timeout(tmp_path:
     failures = caught.value.failures
     assert sorted(failures) == [0, 1]
     assert "Traceback" in failures[0]
-    assert (
-        failures[1]
-        == "rank 1 gave no answer within 6 s (was killed, with every process it started)"
+    assert failures[1] == (
+        "rank 1 gave no answer within 6 s of every rank's start (was killed, with every "
+        "process it started); where it was only slow (a busy machine, a large model), pass "
+        "a larger timeout="
     )
     assert str(caught.value).startswith(
         "2 of 2 ranks failed; every rank and every process a rank started have been ended\n"

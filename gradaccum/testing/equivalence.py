@@ -58,7 +58,7 @@ from gradaccum.testing.observed import (
     flat,
     full_params,
 )
-from gradaccum.testing.ranks import run_ranks
+from gradaccum.testing.ranks import check_timeout, run_ranks
 
 __all__ = ["AccumulationReport", "check_accumulation", "expected_windows"]
 
@@ -259,6 +259,7 @@ def check_accumulation(
     tolerance: float | None = None,
     backend: str = "gloo",
     scheduler_per: Literal["window", "epoch"] = "window",
+    timeout: float = 60.0,
 ) -> AccumulationReport:
     """Train with the user's own loop and check it against one big batch per window.
 
@@ -348,6 +349,9 @@ def check_accumulation(
             ``"window"``, once per window (a schedule in optimizer steps), or
             ``"epoch"``, once per epoch (a schedule in epochs, as a ``StepLR`` by
             epochs); the learning rates are followed either way.
+        timeout: Launched ranks: seconds a collective may wait; a rank still checking
+            twice that after every rank started is killed (`run_ranks`). Raise it for a
+            large model on a busy machine.
 
     Returns:
         The report: ``report.ok``, and ``str(report)`` says what broke.
@@ -398,6 +402,7 @@ def check_accumulation(
     )
     setup.check()
     check_choice(backend, "backend", ("gloo", "nccl"))
+    timeout = check_timeout(timeout)
     world = len(setup.batches)
     if world == 1 and not _group_up():
         return _merge(setup, [_run(setup, 0)])
@@ -412,7 +417,7 @@ def check_accumulation(
         dist.all_gather_object(runs, _run(setup, dist.get_rank()))
         return _merge(setup, runs)
     setup.check_picklable()
-    return _merge(setup, run_ranks(_run_on_rank, world, (setup,), backend=backend))
+    return _merge(setup, run_ranks(_run_on_rank, world, (setup,), backend=backend, timeout=timeout))
 
 
 def _group_up() -> bool:

@@ -26,7 +26,7 @@ from gradaccum.checks import check_choice
 from gradaccum.errors import ConfigError, ConfigTypeError, GradaccumError, describe
 from gradaccum.schedule import check_positive
 
-__all__ = ["LaunchError", "run_ranks"]
+__all__ = ["LaunchError", "check_timeout", "run_ranks"]
 
 
 class LaunchError(GradaccumError, RuntimeError):
@@ -76,10 +76,13 @@ def run_ranks(
 
     Each rank is a process forked from a server that imported torch and ``fn``'s module
     once, joined into a process group of ``backend`` through a ``FileStore`` in a fresh
-    temporary directory, with ``MASTER_ADDR=127.0.0.1``, ``GLOO_SOCKET_IFNAME=lo`` and
-    one intra-op thread; a barrier connects them all before ``fn`` runs. A collective
-    that waits longer than ``timeout`` seconds raises on its rank; a rank that has not
-    answered ``2 * timeout`` seconds after the launch (start-up included) is killed.
+    temporary directory, with ``MASTER_ADDR=127.0.0.1``, ``GLOO_SOCKET_IFNAME=lo``, the
+    variables ``torchrun`` sets for a rank (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+    ``LOCAL_WORLD_SIZE``: Accelerate and Lightning read them to know they run
+    distributed) and one intra-op thread; a barrier connects them all before ``fn``
+    runs. A collective that waits longer than ``timeout`` seconds raises on its rank; a
+    rank that has not answered ``2 * timeout`` seconds after every rank started (a busy
+    machine's slow start-up not counted) is killed.
     Each rank leads a process group of its own, so that the processes it starts (a
     ``DataLoader``'s workers, a subprocess) are in it; once the ranks have answered or
     been killed, each group is killed whole. Every process is gone when this returns or
@@ -87,7 +90,8 @@ def run_ranks(
 
     What crosses the process boundary: ``fn`` is pickled by reference, so it must be a
     module-level function (or a ``functools.partial`` of one) of a module the ranks can
-    import, not a lambda or a local function; ``args`` and ``kwargs`` are pickled; a
+    import, not a lambda or a local function; ``args`` and ``kwargs`` are written with
+    ``torch.save`` (so any number of tensors, without a file descriptor each); a
     rank's return value is written with ``torch.save`` and read with ``torch.load``, so
     tensors (move them to the CPU), dataclasses and plain containers come back, and any
     class in them must be importable here.
@@ -99,7 +103,8 @@ def run_ranks(
         kwargs: Keyword arguments for ``fn``.
         backend: ``"gloo"`` (CPU), or ``"nccl"``, which needs a GPU per rank; rank ``r``
             runs on ``cuda:r``.
-        timeout: Seconds a collective may wait (the process group's timeout).
+        timeout: Seconds a collective may wait (the process group's timeout); twice
+            it, what a rank may take in all once every rank started.
 
     Returns:
         Every rank's return value, rank 0 first.
@@ -132,6 +137,17 @@ def run_ranks(
     return [results[rank] for rank in range(world_size)]
 
 
+def check_timeout(timeout: object) -> float:
+    """Return ``timeout`` if it is a positive number of seconds, else raise naming it."""
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
+        msg = f"timeout must be a positive number of seconds, got {describe(timeout)}"
+        raise ConfigTypeError(msg)
+    if not timeout > 0:
+        msg = f"timeout must be a positive number of seconds, got {timeout}"
+        raise ConfigError(msg)
+    return float(timeout)
+
+
 def _check_launch(
     fn: object,
     world_size: object,
@@ -145,12 +161,7 @@ def _check_launch(
         raise ConfigTypeError(msg)
     world = check_positive(world_size, "world_size")
     check_choice(backend, "backend", ("gloo", "nccl"))
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
-        msg = f"timeout must be a positive number of seconds, got {describe(timeout)}"
-        raise ConfigTypeError(msg)
-    if not timeout > 0:
-        msg = f"timeout must be a positive number of seconds, got {timeout}"
-        raise ConfigError(msg)
+    check_timeout(timeout)
     if backend == "nccl" and torch.cuda.device_count() < world:
         msg = (
             f"backend='nccl' needs a GPU per rank, {world} for world_size={world}, and "
@@ -233,14 +244,20 @@ def _launch(
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", getattr(fn, "__module__", None) or "torch"])
     queue = context.SimpleQueue()
+    # Started once every rank has (or ended): a slow start-up on a busy machine is not
+    # the rank's time; the start-up itself has the same allowance.
     deadline = time.monotonic() + 2 * timeout
     answers: dict[int, _Answer] = {}
     started: set[int] = set()  # the ranks whose process came as far as _rank_main
+    # One buffer rather than the objects: the forkserver sends a tensor in the arguments
+    # as a file descriptor, at most 256 of them in all.
+    sent = io.BytesIO()
+    torch.save((args, kwargs), sent)
     with tempfile.TemporaryDirectory(prefix="gradaccum-") as directory:
         processes = [
             context.Process(
                 target=_rank_main,
-                args=(fn, rank, world, backend, timeout, directory, args, kwargs, queue),
+                args=(fn, rank, world, backend, timeout, directory, sent.getvalue(), queue),
             )
             for rank in range(world)
         ]
@@ -252,6 +269,8 @@ def _launch(
                     answer = queue.get()
                     if answer.value is None and answer.error is None:
                         started.add(answer.rank)
+                        if len(started) == world:
+                            deadline = time.monotonic() + 2 * timeout
                     else:
                         answers[answer.rank] = answer
                 elif any(process.is_alive() for process in processes):
@@ -283,8 +302,9 @@ def _no_answer(
     the group or in ``fn`` (by ``os._exit`` or a signal)."""
     if hung:
         return (
-            f"rank {rank} gave no answer within {2 * timeout:g} s (was killed, with every "
-            "process it started)"
+            f"rank {rank} gave no answer within {2 * timeout:g} s of every rank's start "
+            "(was killed, with every process it started); where it was only slow (a busy "
+            "machine, a large model), pass a larger timeout="
         )
     code = process.exitcode
     how = f"exit code {code}" if code is None or code >= 0 else signal.Signals(-code).name
@@ -321,15 +341,22 @@ def _rank_main(
     backend: str,
     timeout: float,
     directory: str,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
+    sent: bytes,
     queue: Any,
 ) -> None:
     os.setpgid(0, 0)  # what this rank starts joins its group, which the launcher kills
     queue.put(_Answer(rank))  # it started: what ends it from now on is not its start
-    os.environ.update(MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        GLOO_SOCKET_IFNAME="lo",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     torch.set_num_threads(1)
     try:
+        args, kwargs = torch.load(io.BytesIO(sent), weights_only=False)  # (from the launcher)
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(
