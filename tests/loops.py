@@ -489,6 +489,9 @@ def checks(rank: int, world: int) -> dict[str, Any]:
             functools.partial(hand_loop, forward_inside=False), **ddp
         ),
         "synced_twice": check(functools.partial(hand_loop, synced=2), **ddp),
+        # A DDP the trainer makes itself (accelerator.prepare inside train, say).
+        "ddp_made_inside": check(ddp_inside_loop),
+        "ddp_made_inside_outside": check(functools.partial(ddp_inside_loop, forward_inside=False)),
         "never_synced": check(functools.partial(hand_loop, synced=0), **ddp),
         "forward_inside_unexpected": check(hand_loop, **ddp),
         "scheduler_every_microbatch": check(
@@ -682,3 +685,20 @@ def launch_variables(rank: int, world: int) -> dict[str, str | None]:
         name: os.environ.get(name)
         for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
     }
+
+
+def ddp_inside_loop(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    batches: Sequence[Batch],
+    *,
+    forward_inside: bool = True,
+) -> None:
+    """`hand_loop` on a DDP the trainer wraps the model in itself, as
+    ``accelerator.prepare`` inside ``train`` does."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    hand_loop(
+        DistributedDataParallel(model), optimizer, scheduler, batches, forward_inside=forward_inside
+    )

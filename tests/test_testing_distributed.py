@@ -116,6 +116,14 @@ def test_ddp_s_sync_is_checked_without_an_expected_count() -> None:
     for report in checked("forward_inside_unexpected"):
         assert report.ok, report
         assert report.per_window.backwards == {"all_reduce": 1}
+    # The same, on a DDP the trainer made itself inside train.
+    for report in checked("ddp_made_inside_outside"):
+        assert report.problems == [
+            f"4 all-reduces per window at steps=4: DDP all-reduced on every microbatch. {HINT}"
+        ]
+    for report in checked("ddp_made_inside"):
+        assert report.ok, report
+        assert report.per_window.backwards == {"all_reduce": 1}
     for report in checked("never_synced"):  # no_sync() on the last microbatch too
         assert report.problems[-1] == (
             "0 all-reduces per window at steps=4: DDP never all-reduced the window's "

@@ -1209,3 +1209,26 @@ def test_adam_s_step_of_a_rounding_level_gradient_is_no_false_alarm() -> None:
     assert not decayed.ok
     assert any(problem.startswith("parameters off the float64") for problem in decayed.problems)
     assert decayed.amplified is None
+
+
+def test_a_loop_stepping_every_microbatch_is_named_by_its_count_alone() -> None:
+    """The steps do not line up with the windows, so no window's gradient is compared as
+    if they did (it read as a boundary one microbatch off): the counts name the mistake."""
+    report = loops.check(functools.partial(loops.hand_loop, steps=1))
+    assert report.problems[0].startswith(f"13 optimizer steps, {STEPS_FORMULA}: one per microbatch")
+    assert not any(problem.startswith("the gradient") for problem in report.problems), report
+    assert report.problems[-1].startswith(PARAMETERS)
+
+
+def test_a_clip_left_out_and_a_tiny_factor_are_named() -> None:
+    """A loop that never clips, checked with ``max_grad_norm``: its gradient is the
+    window's norm over max_grad_norm times the reference's, named as unclipped; a
+    gradient a thousandth of the reference's reads as such, not as "0.00x"."""
+    report = loops.check(loops.hand_loop, max_grad_norm=0.05)
+    assert (
+        "x the reference's: the optimizer stepped with the window's unclipped gradient"
+        in (report.problems[0])
+    ), report
+    assert "is clip_grad_norm_ called on it before optimizer.step()?" in report.problems[0]
+    tiny = loops.check(functools.partial(loops.hand_loop, divisor=4000))
+    assert tiny.problems[0].startswith("the gradient of window 1 is 0.001x the reference's"), tiny

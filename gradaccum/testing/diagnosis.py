@@ -223,9 +223,15 @@ def gradient_problem(
                 "for the window's last microbatch (its gradient then never reaches the "
                 "shards)?"
             )
+        elif clipped is not None and _near(scale, clipped[0] / clipped[1], slack):
+            hint = (
+                f"the optimizer stepped with the window's unclipped gradient (its norm "
+                f"{clipped[0]:.3g} over max_grad_norm={clipped[1]:g}): is clip_grad_norm_ "
+                "called on it before optimizer.step()?"
+            )
         else:
             hint = factor_hint(scale, slack)
-        return f"the {noun} of window {window} is {scale:.2f}x the reference's" + (
+        return f"the {noun} of window {window} is {_times(scale)}x the reference's" + (
             f": {hint}" if hint else ""
         )
     if accumulated is not None and gap(got, accumulated) <= tolerance:
@@ -325,6 +331,12 @@ def unclipped_factor(scale: float, norm: float) -> float | None:
     below = _CLIP_EPS - (scale - 1) * norm
     factor = scale * _CLIP_EPS / below if below > 0 else math.inf
     return factor if math.isfinite(factor) and not _near(factor, 1) else None
+
+
+def _times(scale: float) -> str:
+    """A factor for a message: two decimals, or two significant digits below 0.01 (a
+    gradient a thousandth of the reference's is not "0.00x" it)."""
+    return f"{scale:.2f}" if scale == 0 or abs(scale) >= 0.01 else f"{scale:.2g}"
 
 
 def _near(scale: float, factor: float, slack: float = 0.0) -> bool:

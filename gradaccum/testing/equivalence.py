@@ -716,10 +716,10 @@ def _run(setup: _Setup, rank: int) -> _Run:
         str(reference.dtype).removeprefix("torch."),
         lambda index: reference.mean_of_means(index, windows[index - 1].params if index else start),
     )
-    replayed = None
-    if not worst <= tolerance and grad_problem is None and not observed.norm_only:
-        replayed = _replayed(setup, start, observed, after)
     several = len(optimizers) > 1
+    replayed = None  # (every gradient on the reference, the parameters not)
+    if not worst <= tolerance and grad_diff <= tolerance and not observed.norm_only:
+        replayed = _replayed(setup, start, observed, after)
     off = grad_problem is not None or not worst <= tolerance
     drawn = off and not observed.not_per_item and reference.random_forward()
     return _Run(
@@ -849,7 +849,9 @@ def _compare_gradients(
         expected = want.seen_as(got.positions)
         if worse(candidate := gap(got.values, expected), worst):
             worst, where = candidate, index + 1
-        if problem is None and not candidate <= tolerance:
+        # (More steps than windows: the steps do not line up with the windows, and their
+        # count names the mistake.)
+        if problem is None and not candidate <= tolerance and not extra:
             accumulated = None  # what the step would have seen had the last one's stayed
             if got.positions is not None and previous and previous.positions == got.positions:
                 accumulated = _clipped(
@@ -1179,9 +1181,18 @@ def _merge(setup: _Setup, runs: list[_Run]) -> AccumulationReport:
             gradient_off=bool(off),
         ):
             problems.append(problem)
-    # Under DDP, where no all-reduce count is expected, DDP's sync is still checked.
+    # Under DDP, where no all-reduce count is expected, DDP's sync is still checked: the
+    # check's own wrap, or one the trainer makes (accelerator.prepare inside train), seen
+    # on several ranks as all-reduces in more than one backward a window, with no
+    # reduce-scatter (HSDP's all-reduce follows its reduce-scatter every microbatch).
+    backwards = per_window.backwards
+    made_inside = (
+        len(runs) > 1
+        and backwards.get("all_reduce", 0) > 1
+        and not backwards.get("reduce_scatter", 0)
+    )
     if (
-        first.ddp
+        (first.ddp or made_inside)
         and "all_reduce" not in setup.expect_collectives
         and (why := ddp_problem(per_window.backwards.get("all_reduce", 0), setup.steps, bool(off)))
     ):
