@@ -53,6 +53,7 @@ class Params:
     __slots__ = (
         "_by_kind",
         "_groups",
+        "_kinds",
         "_list",
         "_model",
         "_one",
@@ -77,6 +78,7 @@ class Params:
         # (device, dtype, parameters, the dtype a factor is multiplied in, and whether a
         # Python scalar factor is multiplied in the gradient's own dtype)
         self._by_kind: list[tuple[torch.device, torch.dtype, list[torch.Tensor], torch.dtype, bool]]
+        self._kinds: list[tuple[torch.Tensor, torch.dtype, int]]  # each kind's first, as made
         self._watched: list[list[torch.Tensor]]
         self.first: torch.Tensor | None
         self._work_out()
@@ -107,11 +109,13 @@ class Params:
         ``.half()`` or ``.to(device)`` between windows converts the parameters in place
         (the same objects, in the same groups), and the first of each group tells. A
         conversion of some parameters only, none of them first in its group, is not seen:
-        their factor is then multiplied in the dtype worked out before."""
-        return all(
-            group[0].dtype is dtype and group[0].device == device
-            for device, dtype, group, _, _ in self._by_kind
-        )
+        their factor is then multiplied in the dtype worked out before. The device is
+        read as its index (``get_device()``, -1 on the CPU): making a ``torch.device`` at
+        each boundary would cost more than the rest of `now`."""
+        for first, dtype, index in self._kinds:
+            if first.dtype is not dtype or first.get_device() != index:
+                return False
+        return True
 
     def _work_out(self) -> None:
         optimizers = self._optimizers
@@ -134,6 +138,9 @@ class Params:
                 dtype in (torch.float32, torch.float64),
             )
             for (device, dtype), group in kinds.items()
+        ]
+        self._kinds = [
+            (group[0], dtype, group[0].get_device()) for _, dtype, group, _, _ in self._by_kind
         ]
         self._watched = [
             [param for group in optimizer.param_groups for param in group["params"]]
