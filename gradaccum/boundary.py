@@ -146,7 +146,9 @@ class Params:
             [param for group in optimizer.param_groups for param in group["params"]]
             for optimizer in optimizers
         ]
-        self._watched.append(self._ordered)
+        in_model = {id(param) for param in self._model.parameters()}
+        # (the model's own: model.zero_grad() clears none outside it)
+        self._watched.append([param for param in self._ordered if id(param) in in_model])
         own, model = self._watched[0], self._ordered
         one = len(optimizers) == 1 and own and model and own[0] is model[0]
         self.first = own[0] if one else None
