@@ -211,7 +211,7 @@ def gradient_problem(
     if factor is not None and clipped is not None:
         why = factor_hint(factor)
         return (
-            f"the {noun} of window {window} was {factor:.2f}x the reference's before "
+            f"the {noun} of window {window} was {_times(factor)}x the reference's before "
             f"clipping (both were clipped to max_grad_norm={clipped[1]:g}, and only the 1e-6 "
             "that clip_grad_norm_ adds to the norm tells them apart)" + (f": {why}" if why else "")
         )

@@ -719,7 +719,7 @@ def _run(setup: _Setup, rank: int) -> _Run:
     several = len(optimizers) > 1
     replayed = None  # (every gradient on the reference, the parameters not)
     if not worst <= tolerance and grad_diff <= tolerance and not observed.norm_only:
-        replayed = _replayed(setup, start, observed, after)
+        replayed = reference.replayed(start, observed, after)
     off = grad_problem is not None or not worst <= tolerance
     drawn = off and not observed.not_per_item and reference.random_forward()
     return _Run(
@@ -749,41 +749,6 @@ def _run(setup: _Setup, rank: int) -> _Run:
         reference=str(reference.dtype).removeprefix("torch."),
         replayed=replayed,
     )
-
-
-def _replayed(
-    setup: _Setup, start: list[torch.Tensor], observed: Observed, after: list[list[torch.Tensor]]
-) -> float:
-    """The largest gap between the trainer's parameters after each window and a float64
-    copy of its optimizers', stepped from the same start with the gradients the trainer's
-    steps saw, at the hyperparameters they held.
-
-    Where the trainer's gradients match the reference's and its parameters do not, this
-    tells what the optimizer made of their rounding-level differences: Adam's update of
-    a gradient that is 0 in exact arithmetic (a bias before a batch norm, the key bias of
-    an attention) and about 1e-9 in float32 is a step of the learning rate, where the
-    float64 reference's, of a gradient of about 1e-17, is none."""
-    model = setup.make_model().to("cpu", torch.float64)
-    params = list(model.parameters())
-    with torch.no_grad():
-        for param, value in zip(params, start, strict=True):
-            param.copy_(value)
-    _, optimizers = setup.optimizers(model.parameters())
-    worst = 0.0
-    steps = zip(*observed.grads, *observed.hyperparameters, strict=False)
-    for index, (seen, got) in enumerate(zip(steps, after, strict=False)):
-        grads, held = seen[: len(optimizers)], seen[len(optimizers) :]
-        for param in params:
-            param.grad = None
-        for step in grads:
-            for position, grad in step.items():
-                params[position].grad = None if grad is None else grad.clone()
-        for optimizer, groups in zip(optimizers, held, strict=True):
-            apply_hyperparameters(optimizer, groups, index)
-            optimizer.step()
-        for mine, theirs in zip(got, params, strict=True):
-            worst = max(worst, gap(mine, cpu64(theirs)))
-    return worst
 
 
 def _left_over(model: nn.Module) -> bool:
@@ -1072,6 +1037,37 @@ class _Reference:
         micro = [mine[place] for mine in self.data for place in self.setup.windows()[index]]
         _window_loss(self.model, item_mean, micro).backward()  # type: ignore[no-untyped-call]
         return [_grad_of(param) for param in self.model.parameters()]
+
+    def replayed(
+        self, start: list[torch.Tensor], observed: Observed, after: list[list[torch.Tensor]]
+    ) -> float:
+        """The largest gap between the trainer's parameters after each window and those
+        of the reference's optimizers stepped from ``start`` with the gradients the
+        trainer's steps saw, at the hyperparameters they held. Leaves the model there;
+        read after `windows`.
+
+        Where the trainer's gradients match the reference's and its parameters do not,
+        this tells what the optimizer made of their rounding-level differences: Adam's
+        update of a gradient that is 0 in exact arithmetic (a bias before a batch norm,
+        the key bias of an attention) and about 1e-9 in float32 is a step of the learning
+        rate, where the float64 reference's, of a gradient of about 1e-17, is none."""
+        self._load(start)
+        params = list(self.model.parameters())
+        _, optimizers = self.setup.optimizers(self.model.parameters())
+        worst = 0.0
+        steps = zip(*observed.grads, *observed.hyperparameters, strict=False)
+        for index, (seen, got) in enumerate(zip(steps, after, strict=False)):
+            grads, held = seen[: len(optimizers)], seen[len(optimizers) :]
+            self.model.zero_grad(set_to_none=True)
+            for step in grads:
+                for position, grad in step.items():
+                    params[position].grad = None if grad is None else grad.to(self.dtype)
+            for optimizer, groups in zip(optimizers, held, strict=True):
+                apply_hyperparameters(optimizer, groups, index)
+                optimizer.step()
+            for mine, theirs in zip(got, params, strict=True):
+                worst = max(worst, gap(mine, cpu64(theirs)))
+        return worst
 
     def windows(self, hyperparameters: list[list[Any]]) -> Iterator[_Window]:
         """The reference after each window, every epoch, each optimizer stepped at the
