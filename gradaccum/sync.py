@@ -20,6 +20,7 @@ __all__ = [
     "FullyShardSync",
     "LocalSync",
     "NoSyncContext",
+    "ReplicateSync",
     "SeveralDDPSync",
     "StrategyFactory",
     "SyncPolicy",
@@ -155,13 +156,8 @@ class DDPSync(SyncStrategy):
 
     def first_iteration(self) -> bool:
         """Whether a DDP held with ``static_graph=True`` has not run its first iteration,
-        whose backward must all-reduce (torch's reducer asserts otherwise): until its
-        first backward has queued DDP's delayed all-reduce."""
-        return any(
-            getattr(ddp, "static_graph", False)
-            and getattr(ddp, "_static_graph_delay_allreduce_enqueued", False) is not True
-            for ddp in self.wrappers
-        )
+        whose backward must all-reduce (torch's reducer asserts otherwise)."""
+        return any(_before_first_iteration(ddp) for ddp in self.wrappers)
 
     def _will_sync(self, sync: bool) -> bool:
         """What the next backward is armed to do: ``sync``, or all-reduce all the same
@@ -191,6 +187,15 @@ class DDPSync(SyncStrategy):
             ddp.require_backward_grad_sync = found
             if holds:
                 _before.give(ddp)
+
+
+def _before_first_iteration(ddp: Any) -> bool:
+    """``ddp`` has ``static_graph=True`` and its first backward has not queued DDP's
+    delayed all-reduce yet."""
+    return bool(
+        getattr(ddp, "static_graph", False)
+        and getattr(ddp, "_static_graph_delay_allreduce_enqueued", False) is not True
+    )
 
 
 class _Found:
@@ -274,8 +279,10 @@ class FullyShardSync(SyncStrategy):
     mesh, which also has the dims FSDP does not reduce over (a TP dim): `group` is the
     data-parallel ranks, the shard dim's (FSDP) or the shard and replicate dims' (HSDP).
     ``"auto"`` reduce-scatters every microstep, so that no unsharded gradient is held
-    between microsteps; under HSDP it all-reduces across replicas only on the boundary.
-    ``"boundary"`` keeps unsharded gradients until the boundary.
+    between microsteps; under HSDP it all-reduces across replicas only on the boundary;
+    with no shard dim (``"replicate"``: each rank holds the whole gradient anyway) it
+    defers as ``"boundary"`` does. ``"boundary"`` keeps unsharded gradients until the
+    boundary.
 
     Attributes:
         kind: What was detected: ``"fully_shard"``, ``"HSDP"`` or ``"replicate"`` (no
@@ -291,6 +298,7 @@ class FullyShardSync(SyncStrategy):
         _check_averaging(modules, info.mesh.size())
         shards, replicates = info.shard_mesh_dim is not None, info.replicate_mesh_dim is not None
         self._hsdp = shards and replicates
+        self._defers = policy == "boundary" or (policy == "auto" and not shards)
         self.group: dist.ProcessGroup | None = _mesh_group(info.mesh)
         name = "HSDP" if self._hsdp else "fully_shard" if shards else "replicate"
         beyond = _mesh_of(modules).size() > info.mesh.size()
@@ -310,7 +318,7 @@ class FullyShardSync(SyncStrategy):
 
     def arm(self, sync: bool) -> None:
         """Set reduce-scatter and (HSDP) all-reduce for the next backward."""
-        reduce_scatter = sync or self._policy != "boundary"
+        reduce_scatter = sync or not self._defers
         all_reduce = sync or self._policy == "every" or (reduce_scatter and not self._hsdp)
         for module in self._modules:
             module.set_requires_gradient_sync(reduce_scatter, recurse=False)
@@ -416,11 +424,15 @@ def _check_averaging(modules: list[Any], ranks: int) -> None:
 
 
 def _mesh_of(modules: list[Any]) -> Any:
+    """The sharded parameters' mesh (with any TP dims), read from FSDP's own record of
+    them: the module's parameters are plain tensors while unsharded (``replicate()`` keeps
+    them unsharded after its forward)."""
     for module in modules:
-        for param in module.parameters():
-            mesh = getattr(param, "device_mesh", None)
-            if mesh is not None:
-                return mesh
+        for group in _param_groups(module):
+            for fsdp_param in getattr(group, "fsdp_params", ()):
+                mesh = getattr(fsdp_param.sharded_param, "device_mesh", None)
+                if mesh is not None:
+                    return mesh
     msg = "the fully_shard model has no sharded parameter to read its device mesh from"
     raise ConfigError(msg)
 
@@ -446,14 +458,19 @@ def several_processes() -> bool:
 
 
 def ddp_running_around(model: nn.Module) -> Any:
-    """The DDP module whose forward is running now, if it holds ``model``, else None: what
-    DDP records of its running forward for dynamo (``_active_ddp_module``)."""
+    """The DDP module whose forward is running now, if it holds ``model`` (or, as the one a
+    ``replicate()`` builds, its parameters), else None: what DDP records of its running
+    forward for dynamo (``_active_ddp_module``)."""
     from torch.nn.parallel import DistributedDataParallel
 
     ddp = getattr(DistributedDataParallel, "_active_ddp_module", None)
-    if ddp is None or not any(module is model for module in ddp.modules()):
+    if ddp is None:
         return None
-    return ddp
+    first = next(model.parameters(), None)
+    holds = any(module is model for module in ddp.modules()) or (
+        first is not None and any(param is first for param in ddp.parameters())
+    )
+    return ddp if holds else None
 
 
 def _outermost(model: nn.Module, cls: type) -> list[Any]:
@@ -510,14 +527,114 @@ class SeveralDDPSync(DDPSync):
         return armed is sync
 
 
+class ReplicateSync(DDPSync):
+    """The composable ``replicate()`` (torchtitan's DDP): a DDP over a module's parameters,
+    built in the module's first forward, whose flag the module's forward pre-hook sets
+    from ``set_requires_gradient_sync()`` (``_no_sync`` on its state), so that is what is
+    armed, on each replicated module side by side; before each backward what each DDP
+    recorded of the last forward is read, as under `DDPSync`. The parameters stay the
+    module's own (there is no ``.module``)."""
+
+    def __init__(self, modules: Sequence[Any], *, defer: bool) -> None:
+        self._states = [_replicate_state(module) for module in modules]
+        self._defer = defer
+        self.wrappers = tuple(modules)
+        groups = {id(group): group for group in map(_replicate_group, self._states)}
+        if len(groups) > 1:
+            msg = (
+                f"model holds {len(modules)} replicate() modules over different process "
+                "groups; gradaccum reduces its own values (item counts, the inf/NaN check) "
+                "over one group: replicate them over the same mesh"
+            )
+            raise ConfigError(msg)
+        (self.group,) = groups.values()
+        self._founds = [
+            _before.take(module, functools.partial(getattr, state, "_no_sync"))
+            for module, state in zip(modules, self._states, strict=True)
+        ]
+        self._armed = not self._states[0]._no_sync
+        self._holds = True
+        # Each DDP is built in its module's first forward (which verifies and broadcasts
+        # the parameters); its forwards then communicate no more: replicate() wraps the
+        # parameters only, so it broadcasts no buffers.
+        self.forward_communicates = not all(self._ddps())
+
+    def _ddps(self) -> list[Any]:
+        """Each module's DDP, None where its first forward has not built it yet."""
+        return [getattr(state, "_ddp", None) for state in self._states]
+
+    def first_iteration(self) -> bool:
+        """Whether a module asked for ``static_graph=True`` and its first iteration has not
+        run (its DDP is not even built before its first forward)."""
+        return any(
+            bool(state._init_kwargs.get("static_graph"))
+            if ddp is None
+            else _before_first_iteration(ddp)
+            for state, ddp in zip(self._states, self._ddps(), strict=True)
+        )
+
+    def overridden(self) -> bool | None:
+        """Whether this backward all-reduces, if that is not what was armed (what a DDP
+        recorded of its last forward; nothing for one not built yet)."""
+        for state in self._states:
+            ddp = getattr(state, "_ddp", None)
+            if ddp is not None and ddp.require_forward_param_sync is not self._armed:
+                return bool(ddp.require_forward_param_sync)
+        return None
+
+    def arm(self, sync: bool) -> bool:
+        """All-reduce in the next backward unless it is deferred (each pre-hook sets its
+        DDP's flag from it); False where a static graph's first iteration all-reduces all
+        the same."""
+        self._armed = armed = self._will_sync(sync)
+        for state in self._states:
+            state._no_sync = not armed
+        return armed is sync
+
+    def restore(self) -> None:
+        """Put back the ``set_requires_gradient_sync()`` state each module had."""
+        holds, self._holds = self._holds, False
+        for module, state, found in zip(self.wrappers, self._states, self._founds, strict=True):
+            state._no_sync = found
+            if holds:
+                _before.give(module)
+
+
+def _replicate_state(module: Any) -> Any:
+    from torch.distributed._composable.replicate import replicate
+
+    return replicate.state(module)
+
+
+def _replicate_group(state: Any) -> dist.ProcessGroup | None:
+    """The group DDP averages over: the built DDP's, or the one ``replicate()`` was given
+    (its ``process_group=`` or 1-D ``device_mesh=``, as DDP reads them)."""
+    ddp = getattr(state, "_ddp", None)
+    if ddp is not None:
+        return ddp.process_group  # type: ignore[no-any-return]
+    kwargs = state._init_kwargs
+    mesh = kwargs.get("device_mesh")
+    if mesh is not None:
+        return mesh.get_group(mesh_dim=0)  # type: ignore[no-any-return]
+    return kwargs.get("process_group") or dist.group.WORLD
+
+
+def _replicate(model: nn.Module, policy: SyncPolicy) -> SyncStrategy:
+    from torch.distributed._composable.replicate import DDP
+
+    return ReplicateSync(_outermost(model, DDP), defer=policy != "every")
+
+
 class FSDP1Sync(NoSyncContext):
     """FSDP1 (``FullyShardedDataParallel``): its flat gradient shards are clipped by FSDP1.
 
-    Deferring holds unsharded gradients, so only ``"boundary"`` defers.
+    Deferring holds unsharded gradients, so only ``"boundary"`` defers, and ``"auto"``
+    where no FSDP module shards (``NO_SHARD``: each rank holds the whole gradient anyway).
     """
 
     def __init__(self, module: Any, policy: SyncPolicy) -> None:
-        super().__init__(module, defer=policy == "boundary", group=module.process_group)
+        defer = policy == "boundary" or (policy == "auto" and not _fsdp1_shards(module))
+        super().__init__(module, defer=defer, group=module.process_group)
 
     def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         """FSDP1's own clipping: the norm of the whole gradient over the shards."""
@@ -530,6 +647,16 @@ class FSDP1Sync(NoSyncContext):
         actual = getattr(self._module, "_sync_gradients", None)
         armed = self._held is None
         return None if actual is None or bool(actual) is armed else bool(actual)
+
+
+def _fsdp1_shards(root: Any) -> bool:
+    """Whether any FSDP1 module under ``root`` shards its gradients (not ``NO_SHARD``)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+
+    return any(
+        module.sharding_strategy != ShardingStrategy.NO_SHARD
+        for module in FullyShardedDataParallel.fsdp_modules(root)
+    )
 
 
 def _fsdp1(model: nn.Module, policy: SyncPolicy) -> SyncStrategy:
@@ -586,6 +713,7 @@ def register_sync_strategy(wrapper_type: type[nn.Module], factory: StrategyFacto
 
 def _builtin() -> dict[type, StrategyFactory]:
     """The wrappers torch ships, imported only once a model may contain one."""
+    from torch.distributed._composable.replicate import DDP as Replicated  # noqa: N811
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
@@ -593,6 +721,7 @@ def _builtin() -> dict[type, StrategyFactory]:
         DistributedDataParallel: _ddp,
         FullyShardedDataParallel: _fsdp1,
         FSDPModule: _fully_shard,
+        Replicated: _replicate,
     }
 
 
@@ -609,14 +738,16 @@ def strategy_for(model: nn.Module, policy: SyncPolicy = "auto") -> SyncStrategy:
     """Detect how ``model`` is wrapped, through ``torch.compile``, and return its strategy.
 
     The outermost module that is a wrapper decides: a registered type (the latest
-    registration first), then DDP, FSDP1 or ``fully_shard``, then any module with its
-    own ``no_sync()``, which is deferred through like DDP, with a warning (once per
-    type, on rank 0). A model with none of them is local.
+    registration first), then DDP, FSDP1, ``fully_shard`` or the composable
+    ``replicate()``, then any module with its own ``no_sync()``, which is deferred
+    through like DDP, with a warning (once per type, on rank 0). A model with none of
+    them is local.
 
     Raises:
         ConfigError: The wrapping cannot be accumulated over as it is (DDP modules side
             by side over different process groups, a ``fully_shard`` divide factor other
-            than its ranks).
+            than its ranks), or on several processes a module has an unknown
+            ``set_requires_gradient_sync()``.
 
     A DDP with ``static_graph=True`` all-reduces in every backward until its first
     iteration has run (torch's reducer asserts on a first iteration that skips it), and
@@ -639,6 +770,15 @@ def strategy_for(model: nn.Module, policy: SyncPolicy = "auto") -> SyncStrategy:
             _warn_unknown(type(module))
             group = _world() if dist.is_available() and dist.is_initialized() else None
             return NoSyncContext(module, defer=policy != "every", group=group)
+        if callable(getattr(module, "set_requires_gradient_sync", None)) and several_processes():
+            msg = (
+                f"model contains a {type(module).__name__}, which has a "
+                "set_requires_gradient_sync() but is no wrapper gradaccum knows, so it "
+                "cannot tell which ranks average its gradients nor defer their "
+                "communication (it would sync every microstep and normalize num_items per "
+                "rank); register a strategy for it with gradaccum.register_sync_strategy()"
+            )
+            raise ConfigError(msg)
     return LocalSync()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import warnings
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +88,27 @@ def wrap(kind: str, model: nn.Module) -> nn.Module:
         return FullyShardedDataParallel(model, device_id=torch.device("cpu"))
     if kind == "fsdp1_orig":  # the original parameters, so optimizers can split them
         return FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True)
+    if kind == "fsdp1_no_shard":  # replicated: nothing sharded, so deferring costs nothing
+        from torch.distributed.fsdp import ShardingStrategy
+
+        return FullyShardedDataParallel(
+            model, device_id=torch.device("cpu"), sharding_strategy=ShardingStrategy.NO_SHARD
+        )
+    if kind == "replicate":  # torchtitan's DDP: the composable replicate(), DDP inside
+        from torch.distributed._composable.replicate import replicate
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        return replicate(model, device_mesh=mesh)
+    if kind == "replicate_fsdp":  # replicate() built on fully_shard's machinery
+        from torch.distributed._composable.replicate_with_fsdp import replicate as replicate2
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                replicate2(layer, mesh=mesh)
+        return replicate2(model, mesh=mesh)
     if kind in ("fully_shard", "hsdp"):
         return wrapper("fully_shard" if kind == "fully_shard" else "HSDP", torch.device("cpu"))(
             model
@@ -310,6 +332,10 @@ def restore_flags(rank: int, world: int, kind: str, dropped: bool = False) -> li
     def flags(model: Any) -> Any:
         if kind == "ddp":
             return model.require_backward_grad_sync
+        if kind == "replicate":
+            from torch.distributed._composable.replicate import replicate
+
+            return replicate.state(model)._no_sync  # type: ignore[attr-defined]
         return [
             (group.reduce_grads, group.all_reduce_grads)
             for module in model.modules()
@@ -318,7 +344,7 @@ def restore_flags(rank: int, world: int, kind: str, dropped: bool = False) -> li
         ]
 
     model = wrap(kind, make_model())
-    if kind != "ddp":
+    if kind == "fully_shard":
         model.set_requires_all_reduce(False)  # a state the user chose: it must come back
     seen = [flags(model)]
     acc = gradaccum.Accumulator(
@@ -340,6 +366,44 @@ def restore_flags(rank: int, world: int, kind: str, dropped: bool = False) -> li
         seen.append(flags(model))
     seen.append(flags(model))
     return seen
+
+
+class OwnGradientSync(nn.Module):
+    """A wrapper of the user's own with a ``set_requires_gradient_sync()``, unregistered."""
+
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body = body
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)  # type: ignore[no-any-return]
+
+    def set_requires_gradient_sync(self, sync: bool) -> None:
+        self.syncs = sync
+
+
+def unknown_gradient_sync(rank: int, world: int) -> str:
+    """The error an Accumulator over an `OwnGradientSync` raises on several ranks."""
+    model = OwnGradientSync(make_model())
+    try:
+        gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=2)
+    except gradaccum.ConfigError as error:
+        return str(error)
+    return "accepted"
+
+
+def no_sync_counted(rank: int, world: int, kind: str) -> list[dict[str, int]]:
+    """The collectives of a forward and backward inside ``gradaccum.no_sync(model)``, then
+    of one outside it (the first forward, which may build the wrapper, runs before)."""
+    model = wrap(kind, make_model())
+    batch = rank_batches(rank, [2])[0]
+    mean_loss(model, batch).backward()
+    counted = []
+    for inside in (True, False):
+        with CollectiveCounter() as counter, gradaccum.no_sync(model) if inside else nullcontext():
+            mean_loss(model, batch).backward()
+        counted.append(dict(counter.ops))
+    return counted
 
 
 def verify_rows_with_late_arming(rank: int, world: int) -> Any:

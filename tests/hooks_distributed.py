@@ -35,6 +35,9 @@ HOOK_DICTS = (
 def fingerprint(model: nn.Module) -> list[Any]:
     """What a model is, module by module: its type, its attributes' names, its hooks, and
     the sync flags gradaccum sets."""
+    from torch.distributed._composable.replicate import DDP as Replicated  # noqa: N811
+    from torch.distributed._composable.replicate import replicate
+
     found = []
     for module in [model, *model.modules()]:
         hooks = {
@@ -43,6 +46,8 @@ def fingerprint(model: nn.Module) -> list[Any]:
             if isinstance(d := getattr(module, name, None), dict)
         }
         flags = [getattr(module, "require_backward_grad_sync", None)]
+        if isinstance(module, Replicated):  # the composable replicate(): its own flag
+            flags.append(replicate.state(module)._no_sync)  # type: ignore[attr-defined]
         state = getattr(module, "_get_fsdp_state", None)
         if callable(state) and hasattr(module, "set_requires_gradient_sync"):
             groups = getattr(state(), "_fsdp_param_groups", [])
@@ -203,7 +208,7 @@ def own_no_sync(rank: int, world: int, kind: str) -> dict[str, Any]:
     def leftover(index: int) -> Any:
         if index % 4 == 0:
             return contextlib.nullcontext()
-        if kind == "fully_shard":
+        if kind in ("fully_shard", "replicate"):
             model.set_requires_gradient_sync(False)  # type: ignore[operator]
             return contextlib.nullcontext()
         return model.no_sync()  # type: ignore[operator]
@@ -304,7 +309,10 @@ def wrapped_after(rank: int, world: int) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel
 
     found: dict[str, Any] = {}
-    for name in ("wrapped after", "inside a wrapped model", "never wrapped", "scripted"):
+    from torch.distributed._composable.replicate import replicate
+
+    names = ("wrapped after", "inside a wrapped model", "replicated after", "never wrapped")
+    for name in (*names, "scripted"):
         model = torch.jit.script(make_model()) if name == "scripted" else make_model()
         before = full_params(model, "plain")
         acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=2)
@@ -314,6 +322,8 @@ def wrapped_after(rank: int, world: int) -> dict[str, Any]:
             runs = DistributedDataParallel(model)
         elif name == "inside a wrapped model":
             runs = DistributedDataParallel(Holder(model))
+        elif name == "replicated after":  # torchtitan's DDP, in place: the model itself
+            replicate(model)
         error = None
         with torch.no_grad():  # an evaluation first, of the model itself: still looked at after
             mean_loss(model, rank_batches(rank, [2])[0])

@@ -95,6 +95,9 @@ def per_window(trainings: list[Training], name: str, windows: int) -> set[float]
         ("hsdp", 4),
         ("compile_ddp", 2),
         ("ddp_compile", 2),
+        ("replicate", 2),
+        ("replicate_fsdp", 2),
+        ("fsdp1_no_shard", 2),
     ],
 )
 @pytest.mark.parametrize("sync", ["auto", "boundary", "every"])
@@ -139,6 +142,18 @@ def test_ddp_with_find_unused_parameters_defers_exactly(sync: str) -> None:
         ("fully_shard", "auto", {"_reduce_scatter_base_": 4 * UNITS, "allreduce_": 0}),
         ("fully_shard", "boundary", {"_reduce_scatter_base_": UNITS, "allreduce_": 0}),
         ("fully_shard", "every", {"_reduce_scatter_base_": 4 * UNITS, "allreduce_": 0}),
+        # The composable replicate() (torchtitan's DDP) is DDP: one round per window.
+        ("replicate", "auto", {"allreduce_": 1}),
+        ("replicate", "boundary", {"allreduce_": 1}),
+        ("replicate", "every", {"allreduce_": 4}),
+        # Where nothing is sharded, each rank holds the whole gradient anyway: "auto"
+        # defers, as under DDP (FSDP1 NO_SHARD; replicate() on fully_shard's machinery,
+        # one all-reduce a unit).
+        ("fsdp1_no_shard", "auto", {"allreduce_": 1, "_reduce_scatter_base_": 0}),
+        ("fsdp1_no_shard", "every", {"allreduce_": 4}),
+        ("replicate_fsdp", "auto", {"allreduce_": UNITS, "_reduce_scatter_base_": 0}),
+        ("replicate_fsdp", "boundary", {"allreduce_": UNITS}),
+        ("replicate_fsdp", "every", {"allreduce_": 4 * UNITS}),
     ],
 )
 def test_collectives_per_window(kind: str, sync: str, expected: dict[str, float]) -> None:
@@ -166,16 +181,20 @@ def test_partial_window_syncs_on_its_last_microstep(kind: str) -> None:
     assert per_window(trainings, name, 4) == {1 if kind == "ddp" else UNITS}
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp1", "fully_shard", "hsdp"])
+@pytest.mark.parametrize(
+    "kind", ["ddp", "fsdp1", "fully_shard", "hsdp", "replicate", "replicate_fsdp"]
+)
 def test_num_items_is_the_item_mean_over_the_global_window(kind: str) -> None:
-    """Different token counts on every rank and microbatch: one scalar all-reduce per window."""
+    """Different token counts on every rank and microbatch: one scalar all-reduce per window
+    (the item total over the ranks that average the gradients)."""
     world = 4 if kind == "hsdp" else 2
     sizes = [[1 + (3 * i + 5 * r) % 6 for i in range(13)] for r in range(world)]
     trainings = run(train, world, kind, sizes, items=True)
     assert_matches_reference(trainings, global_windows(sizes, world))
     assert all(t.loss_error < TOL for t in trainings)  # step.loss is this rank's item-mean
-    if kind == "ddp":
-        assert per_window(trainings, "allreduce_", 3) == {2}  # the gradient and the items
+    gradient = {"ddp": 1, "replicate": 1, "replicate_fsdp": UNITS}.get(kind)
+    if gradient is not None:  # the gradient's all-reduces and the items'
+        assert per_window(trainings, "allreduce_", 3) == {gradient + 1}
 
 
 @pytest.mark.parametrize(
@@ -187,6 +206,8 @@ def test_num_items_is_the_item_mean_over_the_global_window(kind: str) -> None:
         ("fsdp1", 2, torch.float32, 1e-5),
         ("fully_shard", 2, torch.float64, TOL),
         ("hsdp", 4, torch.float64, TOL),
+        ("replicate", 2, torch.float64, TOL),
+        ("replicate_fsdp", 2, torch.float64, TOL),
     ],
 )
 def test_clipping_uses_the_full_norm(kind: str, world: int, dtype: torch.dtype, tol: float) -> None:
@@ -218,10 +239,11 @@ def test_clipping_uses_the_full_norm(kind: str, world: int, dtype: torch.dtype, 
             assert (got.double() - want).abs().max().item() < tol
 
 
-def test_ranks_with_different_lengths_agree_and_finish() -> None:
+@pytest.mark.parametrize("kind", ["ddp", "replicate"])
+def test_ranks_with_different_lengths_agree_and_finish(kind: str) -> None:
     """13 and 9 microbatches: both train on 9 (two windows), with one warning on rank 0."""
     sizes = [[2] * 13, [2] * 9]
-    trainings = run(train, 2, "ddp", sizes)
+    trainings = run(train, 2, kind, sizes)
     assert [len(t.warnings) for t in trainings] == [1, 0]
     assert "between 9 and 13 microbatches" in trainings[0].warnings[0]
     short = [sizes[0][:9], sizes[1]]
@@ -299,8 +321,33 @@ def test_an_unclosed_accumulator_cannot_stop_the_next_from_reducing(kind: str, s
             assert (got - want).abs().max().item() < TOL
 
 
+@pytest.mark.parametrize(
+    ("kind", "reduces"),
+    [("ddp", 1), ("replicate", 1), ("replicate_fsdp", UNITS), ("fsdp1_no_shard", 1)],
+)
+def test_no_sync_keeps_the_gradient_local(kind: str, reduces: int) -> None:
+    """``gradaccum.no_sync(model)`` around a forward and backward: no all-reduce inside it
+    (the composable replicate() and replicate on fully_shard's machinery included), the
+    wrapper's all-reduces outside it."""
+    for inside, outside in run(distributed.no_sync_counted, 2, kind):
+        assert inside.get("c10d::allreduce_", 0) == 0
+        assert outside.get("c10d::allreduce_", 0) == reduces
+
+
+def test_an_unknown_set_requires_gradient_sync_is_refused_on_several_ranks() -> None:
+    """A module with a ``set_requires_gradient_sync()`` that gradaccum does not know (it
+    once took such a model for unwrapped: synced every microstep, ``num_items`` per rank)
+    is refused on 2 ranks, naming it and the fix; on one process it is local."""
+    for error in run(distributed.unknown_gradient_sync, 2):
+        assert error.startswith("model contains a OwnGradientSync, which has a ")
+        assert "gradaccum.register_sync_strategy()" in error
+    model = distributed.OwnGradientSync(make_model())
+    with gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=2) as acc:
+        assert type(acc._block.strategy).__name__ == "LocalSync"
+
+
 @pytest.mark.parametrize("dropped", [False, True], ids=["closed", "dropped"])
-@pytest.mark.parametrize("kind", ["ddp", "fully_shard"])
+@pytest.mark.parametrize("kind", ["ddp", "fully_shard", "replicate"])
 def test_flags_are_restored_on_close(kind: str, dropped: bool) -> None:
     """Deferring sets the module's flags; close() and no_sync() put back what they found.
     So does dropping the accumulator unclosed mid-window (a trainer function that broke

@@ -22,7 +22,7 @@ from tests.helpers import make_batches, make_model, max_param_diff, mean_loss, r
 from tests.test_distributed import global_windows
 
 TOL = 1e-10
-KINDS = {2: ["ddp", "fsdp1", "fully_shard", "compile_ddp_eager"]}
+KINDS = {2: ["ddp", "fsdp1", "fully_shard", "compile_ddp_eager", "replicate", "replicate_fsdp"]}
 PHASES = ("open", "open closed", "second open", "second open closed")
 
 
@@ -173,6 +173,7 @@ def test_ddp_bucket_views_rebuilt_after_the_first_backward_are_no_wipe(static_gr
         ("ddp", "inside a no_sync() of your own"),
         ("fsdp1", "the sync state of FSDP1Sync was changed"),
         ("fully_shard", "the sync state of FullyShardSync was changed"),
+        ("replicate", "inside a no_sync() of your own"),
     ],
 )
 def test_a_no_sync_of_the_users_own_around_the_boundary_is_warned_about(
@@ -191,7 +192,7 @@ def test_a_no_sync_of_the_users_own_around_the_boundary_is_warned_about(
         else:
             assert len(boundary) == 2, rank["warnings"]
         assert all(says in message for message in boundary)
-    if kind == "ddp":  # each rank applied its own gradient
+    if kind in ("ddp", "replicate"):  # each rank applied its own gradient
         pairs = zip(ranks[0]["params"], ranks[1]["params"], strict=True)
         assert not all(torch.equal(p, q) for p, q in pairs)
 
@@ -300,18 +301,20 @@ def test_a_model_wrapped_in_ddp_after_the_accumulator_is_refused_at_its_first_fo
     DDP(model)``, or ``accelerator.prepare`` after the accumulator), directly or inside a
     larger model: the accumulator took it for unwrapped, so DDP would all-reduce on every
     microbatch (exact gradients: only a count shows it) and the ranks' epochs would not be
-    agreed. The first training forward is refused, before any backward (an evaluation's
+    agreed (so for the composable ``replicate()`` applied in place after it). The first
+    training forward is refused, before any backward (an evaluation's
     under no_grad before it is not looked at); on a plain model that no DDP wraps (each
     rank trains its own), the one-forward look leaves no hook and it trains."""
     for rank in run(hooks_distributed.wrapped_after, 2):
-        for name in ("wrapped after", "inside a wrapped model"):
+        for name in ("wrapped after", "inside a wrapped model", "replicated after"):
             seen = rank[name]
             assert seen["error"].startswith(
                 "the model's forward runs inside a DistributedDataParallel built around it "
                 "after the Accumulator"
             ), seen
             assert "Build the Accumulator on the wrapped model" in seen["error"]
-            assert (seen["hooked"], seen["hooks after"], seen["global_step"]) == (1, 0, 0)
+            own = 1 if name == "replicated after" else 0  # replicate()'s own forward hook
+            assert (seen["hooked"], seen["hooks after"], seen["global_step"]) == (1, own, 0)
             assert not seen["trained"]
             assert all(seen["grads"])
         alone = rank["never wrapped"]
