@@ -203,9 +203,8 @@ class Accumulator:
         window = self._window
         if window.is_open:
             msg = (
-                f"steps was set to {steps} mid-window ({window.done} of {window.size} "
-                "microsteps back-propagated); set it after the `with` block of the "
-                "window's last microstep has exited"
+                f"steps was set to {steps} mid-window ({window.progress()}); set it after "
+                "the `with` block of the window's last microstep has exited"
             )
             raise UsageError(msg)
         if (steps == 1) is not (self._steps == 1):  # the policy becomes, or stops being, "every"

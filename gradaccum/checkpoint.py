@@ -25,11 +25,10 @@ def save(acc: Accumulator, include_grads: bool) -> dict[str, Any]:
     window = acc._window
     if window.in_block or (window.done and not include_grads):
         msg = (
-            f"state_dict() was called mid-window ({window.done} of {window.size} "
-            "microsteps back-propagated); checkpoint after the `with` block of the "
-            "window's last microstep has exited, e.g. when acc.global_step has just "
-            "changed, or pass include_grads=True (outside a `with` block) to save the "
-            "partial window"
+            f"state_dict() was called mid-window ({window.progress()}); checkpoint after "
+            "the `with` block of the window's last microstep has exited, e.g. when "
+            "acc.global_step has just changed, or pass include_grads=True (outside a "
+            "`with` block) to save the partial window"
         )
         raise UsageError(msg)
     plan = acc._plan

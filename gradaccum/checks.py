@@ -98,6 +98,11 @@ def _entries(value: object, name: str, one: str) -> list[tuple[str, object]]:
     return [(f"{name}[{index}]", entry) for index, entry in enumerate(value)]
 
 
+_WRAPPED = ("optimizer", "base_optimizer", "_base_optimizer", "inner_optimizer")
+"""Where optimizer wrappers keep the optimizer they wrap (Accelerate and most, SAM,
+timm's Lookahead, Keras-style wrappers)."""
+
+
 def _optimizer(value: object, name: str, scaler: object) -> torch.optim.Optimizer:
     """``value`` as the torch optimizer gradaccum steps: Accelerate's prepared optimizer is
     unwrapped (see gradaccum.foreign); anything else must be an optimizer with torch's
@@ -119,12 +124,20 @@ def _optimizer(value: object, name: str, scaler: object) -> torch.optim.Optimize
             "Accumulator(model, optimizer, scheduler), the optimizer first"
         )
         raise ConfigTypeError(msg)
-    wrapped = getattr(value, "optimizer", None)
+    inner = next(
+        (
+            (attribute, wrapped)
+            for attribute in _WRAPPED
+            if isinstance(wrapped := getattr(value, attribute, None), torch.optim.Optimizer)
+            and wrapped is not value
+        ),
+        None,
+    )
     forward = (
-        f"; pass the torch optimizer it wraps, {name}.optimizer (a "
-        f"{type(wrapped).__name__}), if its step() only forwards to it"
-        if isinstance(wrapped, torch.optim.Optimizer) and wrapped is not value
-        else ""
+        ""
+        if inner is None
+        else f"; pass the torch optimizer it wraps, {name}.{inner[0]} (a "
+        f"{type(inner[1]).__name__}), if its step() only forwards to it"
     )
     if not isinstance(value, torch.optim.Optimizer):
         msg = (

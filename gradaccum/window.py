@@ -69,6 +69,11 @@ class Window:
         """The microstep now due, for messages: ``"microstep 2 of 4"``."""
         return f"microstep {self.done + 1} of {self.size}"
 
+    def progress(self) -> str:
+        """How far the window is, for messages: ``"1 of 4 microsteps back-propagated"``,
+        the microstep whose block is open counted (its backward ran on entering)."""
+        return f"{self.done + self.in_block} of {self.size} microsteps back-propagated"
+
     def where_open(self) -> str | None:
         """`where` while the window is open, else None (between windows)."""
         return self.where() if self.is_open else None

@@ -83,13 +83,17 @@ def test_a_prepared_fp16_optimizer_needs_accelerates_scaler(accelerator: object)
     assert scaler.get_scale() == 2.0**6  # updated once per window, by the accumulator
 
 
-def test_a_wrapper_that_is_no_working_optimizer_is_refused_with_the_object_to_pass() -> None:
+@pytest.mark.parametrize("attribute", ["optimizer", "base_optimizer", "_base_optimizer"])
+def test_a_wrapper_that_is_no_working_optimizer_is_refused_with_the_object_to_pass(
+    attribute: str,
+) -> None:
     """A foreign wrapper gradaccum cannot hook is refused in one line that names its type
-    and the optimizer it wraps, not with torch's AttributeError."""
+    and the optimizer it wraps, not with torch's AttributeError: wherever it keeps it
+    (``.optimizer``; SAM's ``.base_optimizer``; timm's Lookahead's ``._base_optimizer``)."""
 
     class Lookahead(torch.optim.Optimizer):
         def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-            self.optimizer = optimizer
+            setattr(self, attribute, optimizer)
             self.param_groups = optimizer.param_groups
 
     model = make_model()
@@ -98,7 +102,7 @@ def test_a_wrapper_that_is_no_working_optimizer_is_refused_with_the_object_to_pa
     message = str(caught.value)
     assert "\n" not in message
     assert "optimizer is a Lookahead" in message
-    assert "optimizer.optimizer (a SGD)" in message
+    assert f"optimizer.{attribute} (a SGD)" in message
 
 
 def regression_data() -> Any:
