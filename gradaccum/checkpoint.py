@@ -61,6 +61,7 @@ def save(acc: Accumulator, include_grads: bool) -> dict[str, Any]:
             order=order,
             global_position=None if order is None else order.trained_after(position),
             by_items=plan.by_items,
+            handed_out=plan.pending,
         ).to_dict()
     )
 
@@ -105,6 +106,7 @@ def load(
             length=saved.epoch_length,
             order=saved.order,
             by_items=saved.by_items,
+            handed_out=saved.handed_out,
         )
     else:  # the position in these ranks' microbatches; their epoch's length is checked then
         acc._plan.load(
@@ -112,6 +114,7 @@ def load(
             0,
             epochs_completed=saved.epochs_completed,
             by_items=saved.by_items,
+            handed_out=saved.handed_out,
             rescale=rescale,
         )
     block.clear_window(acc)

@@ -53,7 +53,9 @@ def run(acc: Accumulator, iterable: Iterable[T]) -> Iterator[T]:
                 "previous epoch: windows never span epochs"
             )
             block.clear_window(acc)
-        iterator = resuming.resumed(iterable, resume or 0, resumes_run=plan.resumes_run)
+        iterator = resuming.resumed(
+            iterable, resume or 0, resumes_run=plan.resumes_run, handed_out=plan.handed_out
+        )
         if restores_itself:
             iterator = _counted(acc, iterator)
         if n is None:

@@ -44,6 +44,9 @@ class EpochPlan:
         resumes_run: The next epoch is the first of a run resumed past its start (set by a
             load; kept, like ``resume_at``, by an epoch that stopped before its first
             hand-out).
+        handed_out: The next epoch resumes a state saved with a microbatch handed out and
+            not yet back-propagated (at the top of the loop body; set by a load, kept like
+            ``resume_at``): it is drawn again with the trained ones.
         order: The global order of the current epoch's samples over the ranks (between
             epochs: of the last epoch run; after a load on the saved world size, the
             saved one), or None where it is not known.
@@ -61,6 +64,7 @@ class EpochPlan:
         "drawn",
         "drop_last",
         "epochs_completed",
+        "handed_out",
         "length",
         "order",
         "pending",
@@ -83,7 +87,7 @@ class EpochPlan:
         self.active = False
         self.drawn: int | None = None
         self.epochs_completed = 0
-        self.resumes_run = False
+        self.resumes_run = self.handed_out = False
         self.order: GlobalOrder | None = None
         self.by_items: bool | None = None
         self.rescale: Rescale | None = None
@@ -165,7 +169,7 @@ class EpochPlan:
             self.epochs_completed += 1
             # (a resume ends with its epoch, also one that had nothing left to hand out)
             self.resume_at = self.drawn = self.rescale = None
-            self.resumes_run = self.pending = False
+            self.resumes_run = self.handed_out = self.pending = False
             self.length = self.trained_end = None
             self.position = self.closed_at = self.cut_at = 0
 
@@ -193,6 +197,7 @@ class EpochPlan:
         if self.resumes_run or self.resume_at is not None or self.rescale is not None:
             # The resume is under way (until then a new begin() resumes).
             self.resume_at, self.resumes_run, self.rescale = None, False, None
+            self.handed_out = False
         self.position += 1
         self.pending = True
         self.remaining = remaining
@@ -273,18 +278,21 @@ class EpochPlan:
         length: int | None = None,
         order: GlobalOrder | None = None,
         by_items: bool | None = None,
+        handed_out: bool = False,
         rescale: Rescale | None = None,
     ) -> None:
         """Resume at ``position`` of an epoch of ``length`` microbatches (None: not known),
         ``window_done`` microsteps into a window, after ``epochs_completed`` epochs: the next
         epoch skips that many microbatches, and must have that length (a state at an
         epoch's start without an open window resumes nothing: the next epoch is a fresh
-        one, of any length). ``order`` and ``by_items`` are as saved; ``rescale``: the state
-        was saved on another number of ranks (``position`` counts these ranks'
-        microbatches)."""
+        one, of any length). ``order`` and ``by_items`` are as saved; ``handed_out``: saved
+        with a microbatch handed out, not back-propagated (at an epoch's first too, where
+        the next epoch is otherwise a fresh one); ``rescale``: the state was saved on
+        another number of ranks (``position`` counts these ranks' microbatches)."""
         self.epochs_completed = epochs_completed
         self.order, self.by_items, self.rescale = order, by_items, rescale
-        self.resumes_run = bool(position or epochs_completed)
+        self.resumes_run = bool(position or epochs_completed or handed_out)
+        self.handed_out = handed_out
         self.length = length
         self.drawn = None
         self.position = position

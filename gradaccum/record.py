@@ -1,7 +1,7 @@
 """The checkpoint record: the saved format of `Accumulator.state_dict`, its versions, and
 its parsing, validated whole before anything is loaded (no torch: tensors are opaque).
 
-Version 6 (this one): ``position`` is where the next window starts, or with a ``window``
+Version 7 (this one): ``position`` is where the next window starts, or with a ``window``
 the microbatches its saved gradient holds; a microbatch handed out but not yet
 back-propagated is not counted, so the resumed epoch hands it out again. The rest of the
 epoch is cut into windows from ``position`` with the saved ``steps``, which is what the
@@ -16,12 +16,17 @@ another world size. For that, ``global_order`` is the order of the samples that 
 what the next epoch is compared with), where the loader lets the accumulator know it
 (`gradaccum.order`), and ``global_position`` the samples of it trained (where it is not
 known: ``global_order``'s fields and ``global_position`` are None);
-``by_items`` is whether the last window closed passed ``num_items``.
+``by_items`` is whether the last window closed passed ``num_items``; ``handed_out``
+whether a microbatch had been handed out and not yet back-propagated (a state saved at the
+top of the loop body, also of an epoch's first microbatch, at ``position`` 0): the
+uninterrupted run drew it, and made the epoch's iterator, before the random state saved
+with the state, so the resumed epoch draws it again where that does not move the random
+state, as it draws the microbatches trained.
 
-Versions 1 to 5 load the same way, with nothing recorded to check (no ``world_size`` or
+Versions 1 to 6 load the same way, with nothing recorded to check (no ``world_size`` or
 ``epoch_length`` before 5, no ``global_order`` before 6, so that a state saved mid-epoch
-resumes on its own world size only) and no epoch completed (no ``epochs_completed`` before
-4, no ``skipped_steps`` in 1).
+resumes on its own world size only), no epoch completed (no ``epochs_completed`` before
+4, no ``skipped_steps`` in 1) and nothing ``handed_out`` (before 7).
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ __all__ = [
     "parse",
 ]
 
-VERSION = 6
+VERSION = 7
 
 
 class OrderDict(TypedDict):
@@ -92,6 +97,7 @@ class StateDict(TypedDict):
     global_order: OrderDict
     global_position: int | None
     by_items: bool | None
+    handed_out: bool
     window: NotRequired[WindowDict]
 
 
@@ -127,6 +133,8 @@ class Checkpoint:
         global_position: The samples of ``order`` trained; None with no ``order``.
         by_items: The last window closed passed ``num_items``; None: no window closed, or
             not recorded.
+        handed_out: A microbatch had been handed out and not yet back-propagated (saved
+            at the top of the loop body; False: not, or not recorded).
     """
 
     steps: int
@@ -142,6 +150,7 @@ class Checkpoint:
     order: GlobalOrder | None = None
     global_position: int | None = None
     by_items: bool | None = None
+    handed_out: bool = False
 
     def to_dict(self) -> StateDict:
         state = StateDict(
@@ -158,6 +167,7 @@ class Checkpoint:
             global_order=_order_dict(self.order),
             global_position=self.global_position,
             by_items=self.by_items,
+            handed_out=self.handed_out,
         )
         if self.window is not None:
             state["window"] = self.window.to_dict()
@@ -363,6 +373,7 @@ def parse(state: object, is_tensor: Callable[[object], bool]) -> Checkpoint:
         by_items = state.get("by_items")
         if by_items is not None:
             by_items = check_bool(by_items, "state['by_items']")
+    handed_out = version >= 7 and check_bool(state.get("handed_out"), "state['handed_out']")
     saved = state.get("window")
     window = None if saved is None else _parse_window(saved, is_tensor)
     return Checkpoint(
@@ -379,6 +390,7 @@ def parse(state: object, is_tensor: Callable[[object], bool]) -> Checkpoint:
         order=order,
         global_position=trained,
         by_items=by_items,
+        handed_out=handed_out,
     )
 
 

@@ -114,9 +114,13 @@ def global_order(iterable: object, length: int | None, world_size: int) -> Globa
     return order
 
 
-def resumed(iterable: Iterable[T], skip: int, *, resumes_run: bool = False) -> Iterator[T]:
+def resumed(
+    iterable: Iterable[T], skip: int, *, resumes_run: bool = False, handed_out: bool = False
+) -> Iterator[T]:
     """An iterator over ``iterable``'s epoch from microbatch ``skip`` on; with
-    ``resumes_run`` the first epoch of a run resumed past its start.
+    ``resumes_run`` the first epoch of a run resumed past its start; with ``handed_out``
+    the state was saved with microbatch ``skip`` handed out (at the top of the loop body,
+    also at ``skip`` 0), so the saved run had drawn it too.
 
     Raises:
         ConfigError: ``iterable`` restores its own position and its iterator stands
@@ -129,7 +133,7 @@ def resumed(iterable: Iterable[T], skip: int, *, resumes_run: bool = False) -> I
         iterator = iter(iterable)
         _check_stands_at(iterator, skip)
         return iterator
-    if not skip:
+    if not (skip or handed_out):
         return iter(iterable)
     if isinstance(iterable, DataLoader) and _order_generator(iterable) is None:
         warn(
@@ -141,14 +145,19 @@ def resumed(iterable: Iterable[T], skip: int, *, resumes_run: bool = False) -> I
             "and order.manual_seed(seed + epoch) before each epoch"
         )
     # The interrupted run drew what the epoch's start draws from torch's global random
-    # state (a DataLoader's workers' seed, drawn when it makes its iterator) and what its
-    # trained microbatches drew, before the checkpoint's random state was saved: so that
-    # the resumed run draws after that state as the interrupted one did, neither moves it.
-    loader = _index_skippable(iterable)
+    # state (a DataLoader's workers' seed, drawn when it makes its iterator), what its
+    # trained microbatches drew, and what the one it had handed out drew (augmentation in
+    # the main process), before the checkpoint's random state was saved: so that the
+    # resumed run draws after that state as the interrupted one did, none of them moves it.
+    loader = _index_skippable(iterable) if skip else None
     with torch.random.fork_rng(devices=[]):
         if loader is not None:
-            return iter(_skipping_loader(loader, skip))
-        return _drawn_and_dropped(iter(iterable), skip)
+            iterator = iter(_skipping_loader(loader, skip))
+        else:
+            iterator = _drawn_and_dropped(iter(iterable), skip)
+        if handed_out:
+            iterator = _drawn_ahead(iterator)
+    return iterator
 
 
 def check_workers_seed(iterable: object) -> None:
@@ -292,6 +301,15 @@ def _batched_after(batches: BatchSampler, skip: int) -> Iterator[list[int]]:
         yield from map(list, zip(*[indices] * size, strict=False))
     else:
         yield from iter(lambda: [*itertools.islice(indices, size)], [])
+
+
+def _drawn_ahead(iterator: Iterator[T]) -> Iterator[T]:
+    """``iterator`` with its next item drawn now (an exhausted one as it is)."""
+    first = next(iterator, _ENDED)
+    return iterator if first is _ENDED else itertools.chain([first], iterator)
+
+
+_ENDED: Any = object()
 
 
 def _drawn_and_dropped(iterator: Iterator[T], skip: int) -> Iterator[T]:

@@ -77,6 +77,7 @@ class Saved:
     skipped_steps: int
     window: tuple[int, int] | None  # (microsteps, size) of a saved open window
     epochs_completed: int = 0
+    handed_out: bool = False  # a microbatch handed out awaited its block (the top of the body)
 
 
 @dataclass
@@ -107,6 +108,7 @@ class Contract:
     total: int = 0  # the data's length (an unsized epoch's last item is announced)
     handed: int = 0  # microbatches handed out (acc.position)
     pending: bool = False  # the last one handed out has not reached a block
+    handed_out: bool = False  # pending, or was when the loop broke off: a state saves it
     passed: int = 0  # microbatches the loop has passed (back-propagated or skipped)
     closed_at: int = 0  # the end of the last window that closed
     anchor: int = 0  # where the current cut into windows starts
@@ -226,7 +228,7 @@ class Contract:
         self.restored = False  # a load carries a window into the next epoch only
         self.resumed, self.started_at = skip > 0, self.windows
         self.handed = self.passed = skip
-        self.pending = False
+        self.pending = self.handed_out = False
         if skip == 0:
             self.closed_at = 0
         self.anchor = self.closed_at
@@ -239,7 +241,7 @@ class Contract:
             return None
         self.passed = self.handed  # a microbatch not back-propagated was passed over
         self.handed += 1
-        self.pending = True
+        self.pending = self.handed_out = True
         self.size = self.planned_size()
         return self.handed - 1
 
@@ -263,7 +265,7 @@ class Contract:
             and self.windows == self.started_at
             and trained(self.handed, self.steps, self.drop_last) == 0
         )
-        self.active = self.pending = False
+        self.active = self.pending = self.handed_out = False
         self.length = None
         self.handed = self.passed = self.closed_at = self.anchor = 0
         self.epochs += 1
@@ -271,7 +273,8 @@ class Contract:
 
     def break_off(self) -> None:
         """The loop broke out of the epoch (its generator closed): the position stays; a
-        microbatch handed out but not back-propagated is not counted."""
+        microbatch handed out but not back-propagated is not counted (a state saved now
+        records it: the loop drew it)."""
         self.active = self.pending = False
         if not self.window:
             self.size = self.steps  # the next window is a bare one, of ``steps``
@@ -280,7 +283,7 @@ class Contract:
         """A microstep's block was entered: its microbatch is passed."""
         if self.active:
             self.passed = self.handed
-            self.pending = False
+            self.pending = self.handed_out = False
 
     def set_steps(self, steps: int) -> bool:
         """``acc.steps = steps``; return whether it is accepted (between windows, or the
@@ -308,6 +311,7 @@ class Contract:
             skipped_steps=self.skipped,
             window=(len(self.window), self.size) if self.window else None,
             epochs_completed=self.epochs,
+            handed_out=self.handed_out,
         )
 
     def accepts(self, saved: Saved, steps: int, allow: bool) -> bool:
@@ -327,5 +331,5 @@ class Contract:
             self.size = saved.window[1]
         self.resume_at = self.handed = self.passed = saved.position
         self.closed_at = self.anchor = max(0, saved.position - done)
-        self.active = self.pending = False
+        self.active = self.pending = self.handed_out = False
         self.restored = saved.window is not None

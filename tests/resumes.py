@@ -18,7 +18,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, TensorDataset
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    RandomSampler,
+    TensorDataset,
+)
 
 import gradaccum
 
@@ -36,6 +42,21 @@ def dataset(world: int) -> TensorDataset:
     return TensorDataset(
         torch.randn(n, 5, generator=generator), torch.randn(n, 1, generator=generator)
     )
+
+
+class Augmented(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """``data`` with noise added to every sample as it is loaded, drawn from torch's global
+    random state (random augmentation in the main process: ``num_workers=0``)."""
+
+    def __init__(self, data: TensorDataset) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.data[index]
+        return x + 0.1 * torch.randn(x.shape), y
 
 
 def batches_of(loader: Iterable[Any]) -> Iterator[Any]:
@@ -57,7 +78,9 @@ class Run:
     RandomSampler's, or on several ranks a DistributedSampler's): ``"no loader
     generator"`` (index-level skip) and ``"no loader generator, drawn"`` (through a plain
     generator: drawn and dropped). Such a loader draws its workers' seed from torch's
-    global random state at every iterator, which a mid-epoch resume must not move.
+    global random state at every iterator, which a mid-epoch resume must not move. And
+    ``"augmented"``: a DataLoader whose samples draw noise from torch's global random state
+    as they are loaded (`Augmented`).
     """
 
     def __init__(
@@ -106,6 +129,8 @@ class Run:
                 generator=None,
             )
             self.loader = DataLoader(data, **options)
+        elif kind == "augmented":
+            self.loader = DataLoader(Augmented(data), **options)
         elif kind.startswith("persistent"):
             if kind == "persistent":
                 options.update(
@@ -153,11 +178,18 @@ class Run:
         return self
 
 
-def train(run: Run, checkpoint: Callable[[Run], None] | None = None) -> Run:
+def train(
+    run: Run,
+    checkpoint: Callable[[Run], None] | None = None,
+    top: Callable[[Run], None] | None = None,
+) -> Run:
     """The guide's loop, from the epoch the accumulator says; ``checkpoint`` after every
-    window's block and every epoch."""
+    window's block and every epoch, ``top`` at the top of the loop body of every window's
+    first microbatch (handed out, not back-propagated yet)."""
     for epoch in range(run.acc.epochs_completed, EPOCHS):
-        for x, y in run.acc.epoch(run.iterable(epoch)):
+        for index, (x, y) in enumerate(run.acc.epoch(run.iterable(epoch))):
+            if top is not None and index % STEPS == 0 and index < 3 * STEPS:
+                top(run)
             loss = (run.model(x) - y).square().mean()
             with run.acc.microstep(loss) as step:
                 pass
@@ -172,15 +204,22 @@ CHECKPOINTS = ["step 1", "step 2", "step 3", "epoch 1", "step 4", "step 5", "ste
 """Where `train` checkpoints two epochs of three windows: after every window and epoch."""
 
 
+TOPS = [f"top of window {n}" for n in range(1, 3 * EPOCHS + 1)]
+"""Where `train` checkpoints with ``top``: the top of the loop body of every window's first
+microbatch, the epochs' first microbatches (windows 1 and 4) included."""
+
+
 def resumed_everywhere(
     kind: str,
     rank: int = 0,
     world: int = 1,
     wrap: Callable[[nn.Module], nn.Module] | None = None,
     params: Callable[[nn.Module], list[torch.Tensor]] | None = None,
+    top: bool = False,
 ) -> dict[str, bool]:
-    """For every checkpoint of an uninterrupted run (``"step 3"``, ``"epoch 1"``): does
-    the run resumed from it end bit for bit where the uninterrupted one did?"""
+    """For every checkpoint of an uninterrupted run (``"step 3"``, ``"epoch 1"``; with
+    ``top``, ``"top of window 4"``): does the run resumed from it end bit for bit where the
+    uninterrupted one did?"""
     saves: list[tuple[str, bytes]] = []
 
     def checkpoint(run: Run) -> None:
@@ -188,7 +227,13 @@ def resumed_everywhere(
         where = f"step {acc.global_step}" if acc.position else f"epoch {acc.epochs_completed}"
         saves.append((where, run.save()))
 
-    whole = train(Run(kind, rank, world, wrap), checkpoint)
+    def at_the_top(run: Run) -> None:
+        saves.append((f"top of window {run.acc.global_step + 1}", run.save()))
+
+    if top:
+        whole = train(Run(kind, rank, world, wrap), top=at_the_top)
+    else:
+        whole = train(Run(kind, rank, world, wrap), checkpoint)
     read = params or (lambda model: [p.detach() for p in model.parameters()])
     expected = read(whole.model)
     whole.acc.close()

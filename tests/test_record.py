@@ -91,6 +91,7 @@ def checkpoints(draw: st.DrawFn) -> Checkpoint:
         order=order,
         global_position=trained,
         by_items=draw(st.none() | st.booleans()),
+        handed_out=draw(st.booleans()),
     )
 
 
@@ -107,6 +108,7 @@ def state(**changes: Any) -> dict[str, Any]:
         "sync": "auto",
         "world_size": 2,
         "epoch_length": 13,
+        "handed_out": False,
     }
     saved.update(changes)
     return {key: value for key, value in saved.items() if value is not ...}
@@ -134,9 +136,10 @@ class TestCheckpointToDict:
         assert parse(checkpoint.to_dict(), is_tensor) == checkpoint
 
     def test_the_saved_form(self) -> None:
-        """to_dict() saves version 6 and the fields by name, the world size, the epoch
-        length, the global order and position, and the last window's mode always (None
-        where not known); no ``window`` key between windows."""
+        """to_dict() saves version 7 and the fields by name, the world size, the epoch
+        length, the global order and position, the last window's mode always (None
+        where not known), and whether a microbatch was handed out; no ``window`` key
+        between windows."""
         saved = Checkpoint(
             steps=4,
             position=8,
@@ -150,9 +153,10 @@ class TestCheckpointToDict:
             order=GlobalOrder("corpus", 3, 104, 4, 2),
             global_position=64,
             by_items=True,
+            handed_out=True,
         ).to_dict()
         assert saved == {
-            "version": 6,
+            "version": 7,
             "steps": 4,
             "position": 8,
             "global_step": 2,
@@ -165,8 +169,9 @@ class TestCheckpointToDict:
             "global_order": {"data": "corpus", "epoch": 3, "samples": 104, "batch_size": 4},
             "global_position": 64,
             "by_items": True,
+            "handed_out": True,
         }
-        assert VERSION == 6
+        assert VERSION == 7
 
     def test_an_unknown_order_saves_the_same_keys(self) -> None:
         """Where the order is not known its fields are None under the same keys, so that
@@ -213,9 +218,9 @@ class TestCheckpointToDict:
 
 
 class TestParseVersions:
-    @pytest.mark.parametrize("version", [1, 2, 3, 4, 5, 6])
+    @pytest.mark.parametrize("version", [1, 2, 3, 4, 5, 6, 7])
     def test_known_versions_load(self, version: int) -> None:
-        """Versions 1 to 6 are read the same way."""
+        """Versions 1 to 7 are read the same way."""
         parsed = parse(state(version=version), never_tensor)
         assert (parsed.steps, parsed.position, parsed.global_step) == (4, 8, 2)
 
@@ -244,6 +249,20 @@ class TestParseVersions:
         saved = state(version=version, global_order=order, global_position=64, by_items=True)
         parsed = parse(saved, never_tensor)
         assert (parsed.order, parsed.global_position, parsed.by_items) == (None, None, None)
+
+    @pytest.mark.parametrize("version", [1, 2, 3, 4, 5, 6])
+    def test_before_version_7_nothing_was_handed_out(self, version: int) -> None:
+        """Before version 7 a microbatch handed out (a save at the top of the loop body)
+        was not recorded: it reads as False, whatever the key holds, and is not required."""
+        assert not parse(state(version=version, handed_out=True), never_tensor).handed_out
+        assert not parse(state(version=version, handed_out=...), never_tensor).handed_out
+
+    def test_version_7_reads_what_was_handed_out(self) -> None:
+        """Version 7 reads ``handed_out`` as saved, a bool, and requires it."""
+        assert parse(state(handed_out=True), never_tensor).handed_out
+        for bad in ("yes", ..., None):
+            with pytest.raises(GradaccumError, match=r"state\[.handed_out.\]"):
+                parse(state(handed_out=bad), never_tensor)
 
     def test_version_5_loads_as_before(self) -> None:
         """A version-5 state (world size and epoch length, nothing more) reads as saved."""
@@ -338,13 +357,13 @@ class TestParseVersions:
         """A state without ``sync`` reads as the default policy."""
         assert parse(state(sync=...), never_tensor).sync == "auto"
 
-    @given(version=st.integers(min_value=0, max_value=10**6).filter(lambda v: v not in range(1, 7)))
+    @given(version=st.integers(min_value=0, max_value=10**6).filter(lambda v: v not in range(1, 8)))
     def test_other_versions_are_refused(self, version: int) -> None:
         """Any other version is refused, saying which versions this gradaccum reads."""
         with pytest.raises(ConfigError) as caught:
             parse(state(version=version), never_tensor)
         assert str(caught.value) == (
-            f"state['version'] is {version}, but this gradaccum reads versions 1 to 6; "
+            f"state['version'] is {version}, but this gradaccum reads versions 1 to 7; "
             "load it with the gradaccum that saved it"
         )
 

@@ -658,7 +658,7 @@ class TestPersistentWorkers:
 
 
 @pytest.mark.parametrize(
-    "kind", [*resumes.KINDS, "no loader generator", "no loader generator, drawn"]
+    "kind", [*resumes.KINDS, "no loader generator", "no loader generator, drawn", "augmented"]
 )
 def test_resume_at_every_window_boundary_is_bit_for_bit(kind: str) -> None:
     """Two epochs with dropout and a shuffled loader, checkpointed after every window
@@ -671,6 +671,34 @@ def test_resume_at_every_window_boundary_is_bit_for_bit(kind: str) -> None:
     outcome = resumes.resumed_everywhere(kind)
     assert list(outcome) == resumes.CHECKPOINTS
     assert all(outcome.values()), outcome
+
+
+@pytest.mark.parametrize(
+    "kind", ["dataloader", "generator", "no loader generator", "no loader generator, drawn"]
+)
+def test_a_checkpoint_at_the_top_of_the_loop_body_resumes_bit_for_bit(kind: str) -> None:
+    """Checkpointed at the top of the loop body of every window's first microbatch (handed
+    out, not back-propagated: the resume hands it out again), each resumed in fresh
+    objects: bit for bit, an epoch's first microbatch included. The saved run drew that
+    microbatch before the random state saved: at an epoch's first, it made the epoch's
+    iterator (a DataLoader without a generator draws its workers' seed from torch's), and
+    the resumed epoch once made its own from the restored state, so every dropout mask
+    after it moved (0.06 off). The state records the microbatch handed out, and the
+    resumed epoch draws it (and makes its iterator) without moving the random state."""
+    outcome = resumes.resumed_everywhere(kind, top=True)
+    assert list(outcome) == resumes.TOPS
+    assert all(outcome.values()), outcome
+
+
+def test_augmentation_in_the_main_process_makes_a_top_of_body_checkpoint_inexact() -> None:
+    """What the checkpoint guide says: samples that draw noise from torch's random state as
+    they are loaded in the main process resume bit for bit from a checkpoint after a
+    block (the test above this one's neighbour), but not from one at the top of the loop
+    body, whose handed-out microbatch the saved run drew before the state was saved: the
+    resumed run draws it again, with other noise."""
+    outcome = resumes.resumed_everywhere("augmented", top=True)
+    assert list(outcome) == resumes.TOPS
+    assert not any(outcome.values()), outcome
 
 
 class Unseeded(resumes.Run):

@@ -86,7 +86,7 @@ def test_state_holds_steps_position_global_step_and_policy() -> None:
     parts = build()
     train(parts, epochs=1, stop_after=2)
     assert parts[3].state_dict() == {
-        "version": 6,
+        "version": 7,
         "steps": 4,
         "position": 8,
         "global_step": 2,
@@ -100,6 +100,7 @@ def test_state_holds_steps_position_global_step_and_policy() -> None:
         "global_order": {"data": None, "epoch": None, "samples": None, "batch_size": None},
         "global_position": None,
         "by_items": False,
+        "handed_out": False,  # saved after a block: no microbatch awaits its microstep
     }
     train(parts, epochs=1)
     assert parts[3].state_dict()["position"] == 0

@@ -500,9 +500,10 @@ class AccumulatorMachine(RuleBasedStateMachine):
             "epochs_completed",
             "drop_last",
             "world_size",
+            "handed_out",
         )
         assert tuple(state[name] for name in fields) == (
-            6,
+            7,
             saved.steps,
             saved.position,
             saved.global_step,
@@ -510,6 +511,7 @@ class AccumulatorMachine(RuleBasedStateMachine):
             saved.epochs_completed,
             contract.drop_last,
             1,
+            saved.handed_out,
         )
         if saved.position == 0:  # no position to resume: no epoch length to match
             assert state["epoch_length"] is None
