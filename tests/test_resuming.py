@@ -31,7 +31,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 import gradaccum
 from gradaccum import resuming
 from tests import resumes
-from tests.helpers import make_model, mean_loss, sgd
+from tests.helpers import Batch, make_batches, make_model, mean_loss, sgd
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -227,6 +227,47 @@ class TestStatefulDataLoader:
         restored.load_state_dict(state["loader"])
         with pytest.raises(gradaccum.ConfigError, match="stands at microbatch 12 of its epoch"):
             next(iter(again.epoch(restored)))
+
+    @pytest.mark.parametrize("apart", [0, 1])
+    def test_an_iterable_dataset_without_a_state_of_its_own_resumes(self, apart: int) -> None:
+        """Over an IterableDataset with no state_dict, torchdata restores the position by
+        drawing the batches yielded again, and counts them on top of the restored count
+        (12 for 6); such a resume was refused as standing at microbatch 12. It resumes,
+        with the uninterrupted run's parameters exactly; a loader state one microbatch
+        apart is still refused."""
+
+        class Stream(torch.utils.data.IterableDataset[Batch]):
+            def __iter__(self) -> Iterator[Batch]:
+                yield from make_batches([2] * 12)
+
+        def run(state: dict[str, Any] | None) -> tuple[torch.nn.Module, dict[str, Any]]:
+            model = make_model()
+            acc = gradaccum.Accumulator(model, sgd(model), steps=2)
+            loader = StatefulDataLoader(Stream(), batch_size=None)
+            if state is not None:
+                model.load_state_dict(state["model"])
+                acc.load_state_dict(state["acc"])
+                loader.load_state_dict(state["loader"])
+            found: dict[str, Any] = {}
+            for index, batch in enumerate(acc.epoch(loader)):
+                with acc.microstep(mean_loss(model, batch)):
+                    pass
+                if state is None and index == 5:  # (plain SGD: no optimizer state)
+                    found["acc"] = saved(acc.state_dict())
+                    found["model"] = saved(model.state_dict())
+                if state is None and index == 5 + apart:
+                    found["loader"] = saved(loader.state_dict())
+            return model, found
+
+        whole, state = run(None)
+        if apart:
+            with pytest.raises(gradaccum.ConfigError, match="stands at microbatch 14 of"):
+                run(state)
+            return
+        resumed, _ = run(state)
+        assert all(
+            torch.equal(p, q) for p, q in zip(whole.parameters(), resumed.parameters(), strict=True)
+        )
 
     def test_a_checkpoint_at_the_top_of_the_loop_body_is_refused(self) -> None:
         """At the top of the loop body the loader has handed out a microbatch that no
