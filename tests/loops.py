@@ -74,13 +74,15 @@ def hand_loop(
     scheduler_every_microbatch: bool = False,
     divisor: float | None = None,
     synced: int = 1,
+    synced_first: bool = False,
     zero_every_microstep: bool = False,
     clip_every_microstep: float | None = None,
 ) -> None:
     """A loop of its own: ``loss / steps`` per microbatch (by ``divisor`` if given: a
     bug), ``no_sync()`` off the boundary (around the forward too, unless
     ``forward_inside`` is False: the bug equal gradients hide; off a window's last
-    ``synced`` microbatches, more than one: exact, and wasteful), the optimizer and the
+    ``synced`` microbatches, more than one: exact, and wasteful; off all but its first
+    with ``synced_first``: the ranks step apart), the optimizer and the
     scheduler stepped at the boundary (the scheduler on every microbatch with
     ``scheduler_every_microbatch``: the bug the step count shows). Two more bugs: with
     ``zero_every_microstep``, a plain loop's ``zero_grad()`` left at the top of the body
@@ -91,7 +93,7 @@ def hand_loop(
         if zero_every_microstep:
             optimizer.zero_grad()
         boundary = (index + 1) % steps == 0
-        sync = index % steps >= steps - synced
+        sync = index % steps == 0 if synced_first else index % steps >= steps - synced
         context = contextlib.nullcontext() if sync else no_sync()
         divisor = steps if divisor is None else divisor
         if forward_inside:
@@ -234,12 +236,14 @@ def two_optimizer_loop(
     divide: bool = True,
     scheduler_every_microbatch: bool = False,
     skip_last_adam_step: bool = False,
+    zero_first_only: bool = False,
 ) -> None:
     """A hand loop with two optimizers, as a Muon + AdamW trainer writes it: each
     microbatch's ``loss / steps`` (not divided, unless ``divide``) inside ``no_sync()`` off
     the boundary; at the boundary each optimizer steps and zeroes its gradients, then
     each scheduler steps (every microbatch with ``scheduler_every_microbatch``; the
-    Adam's last step left out with ``skip_last_adam_step``)."""
+    Adam's last step left out with ``skip_last_adam_step``; only the first optimizer's
+    gradients zeroed with ``zero_first_only``)."""
     no_sync = getattr(model, "no_sync", contextlib.nullcontext)
     trained = len(batches) // steps * steps
     for index, batch in enumerate(batches[:trained]):
@@ -251,7 +255,8 @@ def two_optimizer_loop(
             for number, optimizer in enumerate(optimizers):
                 if not (skip_last_adam_step and number == 1 and index + 1 == trained):
                     optimizer.step()
-                optimizer.zero_grad()
+                if not (zero_first_only and number > 0):
+                    optimizer.zero_grad()
         if boundary or scheduler_every_microbatch:
             for scheduler in schedulers:
                 if scheduler is not None:
@@ -493,6 +498,12 @@ def checks(rank: int, world: int) -> dict[str, Any]:
         "ddp_made_inside": check(ddp_inside_loop),
         "ddp_made_inside_outside": check(functools.partial(ddp_inside_loop, forward_inside=False)),
         "never_synced": check(functools.partial(hand_loop, synced=0), **ddp),
+        "synced_first": check(
+            functools.partial(hand_loop, synced_first=True),
+            expect_collectives={"all_reduce": 1},
+            **ddp,
+        ),
+        "two_optimizers_one_zeroed": two_optimizer_check(world, zero_first_only=True),
         "forward_inside_unexpected": check(hand_loop, **ddp),
         "scheduler_every_microbatch": check(
             functools.partial(hand_loop, scheduler_every_microbatch=True), **ddp

@@ -316,6 +316,29 @@ def test_a_loss_divided_by_the_world_size_is_named() -> None:
         )
 
 
+def test_ranks_that_step_apart_are_named() -> None:
+    """A hand loop whose one all-reduce a window runs in its first backward (``no_sync()``
+    around the other three): the count is the expected one and the gradient is off by
+    no factor, so the report once said only that; the ranks' parameters differ after the
+    first window, which is said first, with the cause. A loop whose one optimizer is
+    never zeroed (Muon + AdamW, one zero_grad()) is named by that optimizer."""
+    for report in checked("synced_first"):
+        assert report.problems[0] == (
+            "the ranks' parameters differ after window 1: each rank stepped with a gradient "
+            "of its own. DDP all-reduced in one backward a window, but not the window's "
+            "last, so the microbatches after it stayed on each rank: run the window's last "
+            "microbatch (its forward and backward) outside no_sync(), the others inside it"
+        )
+        assert report.per_window.collectives == {"all_reduce": 1}
+    for report in checked("two_optimizers_one_zeroed"):
+        assert report.problems[0].startswith(
+            "the gradient of window 2 is the reference's, plus window 1's in the parameters "
+            "of optimizers[1] alone: is optimizers[1].zero_grad() called after every step?"
+        )
+    for report in [*checked("never_synced"), *checked("forward_outside")]:
+        assert not any("ranks' parameters differ" in problem for problem in report.problems)
+
+
 def test_two_optimizers_under_ddp() -> None:
     """SGD on the weights and Adam on the biases, one all-reduce per window: exact, by hand
     and through the several-optimizer `Accumulator`; not dividing by steps is named."""

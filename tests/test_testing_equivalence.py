@@ -1052,6 +1052,13 @@ def test_two_optimizers_and_their_schedulers() -> None:
     with pytest.warns(UserWarning, match="lr_scheduler.step"):
         report = loops.two_optimizer_check(scheduler_every_microbatch=True)
     assert report.problems[0].startswith(f"12 schedulers[0] steps, {STEPS_FORMULA}: one per")
+    # One zero_grad() for the two (the Adam's parameters keep the last window's gradient).
+    assert loops.two_optimizer_check(zero_first_only=True).problems[0] == (
+        "the gradient of window 2 is the reference's, plus window 1's in the parameters of "
+        "optimizers[1] alone: is optimizers[1].zero_grad() called after every step? Each "
+        "optimizer's zero_grad() clears its own parameters' gradients only (a Muon + AdamW "
+        "trainer zeroes both)"
+    )
 
 
 def test_expect_collectives_takes_every_name_a_report_prints() -> None:

@@ -5,6 +5,7 @@ window, a window's gradient against the reference's), never from knowing the tra
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 
@@ -143,6 +144,7 @@ def gradient_problem(
     want: torch.Tensor,
     accumulated: torch.Tensor | None,
     *,
+    kept: Mapping[str, torch.Tensor] | None = None,
     last: torch.Tensor | None = None,
     clipped_each: torch.Tensor | None = None,
     first: dict[int, torch.Tensor] | None = None,
@@ -165,6 +167,9 @@ def gradient_problem(
         want: The reference's, clipped as the trainer's was.
         accumulated: What a trainer that never zeroed the gradient would have seen: the
             previous window's gradient plus this one's (clipped), or None.
+        kept: With several optimizers, by the name of each, what a trainer that zeroed
+            all but that one's parameters would have seen (``accumulated`` there, the
+            reference's elsewhere).
         last: The gradient of the window's last microbatches alone (a window of more than
             one), or None: a trainer that clears the gradient before every backward
             steps with a multiple of it.
@@ -239,6 +244,14 @@ def gradient_problem(
             f"the gradient of window {window} is the reference's plus window {window - 1}'s: "
             "is zero_grad() called after every optimizer.step()?"
         )
+    for name, one_kept in (kept or {}).items():
+        if gap(got, one_kept) <= tolerance:
+            return (
+                f"the gradient of window {window} is the reference's, plus window "
+                f"{window - 1}'s in the parameters of {name} alone: is {name}.zero_grad() "
+                "called after every step? Each optimizer's zero_grad() clears its own "
+                "parameters' gradients only (a Muon + AdamW trainer zeroes both)"
+            )
     if clipped_each is not None and gap(got, clipped_each) <= tolerance:
         return (
             f"the gradient of window {window} is what clipping after every backward gives "
@@ -476,6 +489,26 @@ def collective_problem(
     if kind == "all_reduce" and ddp and (why := ddp_problem(backwards, steps, gradient_off)):
         problem += f": {why}"
     return problem
+
+
+def ranks_apart_problem(window: int, backwards: int, steps: int, *, ddp: bool) -> str | None:
+    """The ranks' parameters differ after ``window``: each stepped with a gradient of its
+    own, and why, from the ``backwards`` of a window that all-reduced; None where DDP never
+    all-reduced (`ddp_problem` names that)."""
+    if ddp and backwards == 0:
+        return None
+    problem = (
+        f"the ranks' parameters differ after window {window}: each rank stepped with a "
+        "gradient of its own"
+    )
+    if ddp and backwards < steps:
+        which = "one backward" if backwards == 1 else f"{backwards} backwards"
+        return (
+            f"{problem}. DDP all-reduced in {which} a window, but not the window's last, "
+            "so the microbatches after it stayed on each rank: run the window's last "
+            "microbatch (its forward and backward) outside no_sync(), the others inside it"
+        )
+    return f"{problem}: is the gradient reduced over the ranks before every optimizer.step()?"
 
 
 def ddp_problem(backwards: int, steps: int, gradient_off: bool) -> str | None:

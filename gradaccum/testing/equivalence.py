@@ -45,6 +45,7 @@ from gradaccum.testing.diagnosis import (
     not_per_item_problem,
     per_microbatch,
     random_forward_problem,
+    ranks_apart_problem,
     rate_problem,
     step_problem,
     worse,
@@ -626,6 +627,7 @@ class _Run:
     random_forward: bool  # off the reference, and two forwards of a microbatch differ
     reference: str  # the dtype the reference ran in ("float64", or the parameters')
     rate_moved: RateMoved | None  # the first learning rate that moved inside a window
+    ranks_apart: int | None  # the first window after which the ranks' parameters differ
     # Off the reference, its gradients on it: the gap to the optimizer stepped with the
     # trainer's own gradients (`_replayed`); None where not asked or not seen.
     replayed: float | None = None
@@ -722,6 +724,7 @@ def _run(setup: _Setup, rank: int) -> _Run:
         replayed = reference.replayed(start, observed, after)
     off = grad_problem is not None or not worst <= tolerance
     drawn = off and not observed.not_per_item and reference.random_forward()
+    apart = _ranks_apart(after, tolerance) if off else None
     return _Run(
         optimizer_steps={
             f"optimizers[{i}]" if several else "optimizer": n
@@ -746,9 +749,32 @@ def _run(setup: _Setup, rank: int) -> _Run:
         left_over=observed.forwards_after > 0 and _left_over(wrapped),
         random_forward=drawn,
         rate_moved=observed.rate_moved,
+        ranks_apart=apart,
         reference=str(reference.dtype).removeprefix("torch."),
         replayed=replayed,
     )
+
+
+def _ranks_apart(after: list[list[torch.Tensor]], tolerance: float) -> int | None:
+    """On several ranks, the first window after which the ranks' parameters (``after``, by
+    window) differ by more than ``tolerance``, the same on every rank; else None. Two
+    collectives over the default group, which every rank's check reaches (the windows
+    each rank closed are agreed first)."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    nccl = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    closed = torch.tensor([len(after)], device=device)
+    dist.all_reduce(closed, dist.ReduceOp.MIN)
+    windows = after[: int(closed.item())]
+    if not windows:
+        return None
+    values = torch.stack([flat(params) for params in windows]).to(device)
+    extremes = torch.cat([values, -values])  # the largest, and (negated) the least
+    dist.all_reduce(extremes, dist.ReduceOp.MAX)
+    spread = (extremes[: len(windows)] + extremes[len(windows) :]).amax(dim=1)
+    apart = (spread > tolerance).nonzero()
+    return int(apart[0]) + 1 if len(apart) else None
 
 
 def _left_over(model: nn.Module) -> bool:
@@ -818,10 +844,15 @@ def _compare_gradients(
         # count names the mistake.)
         if problem is None and not candidate <= tolerance and not extra:
             accumulated = None  # what the step would have seen had the last one's stayed
+            kept: dict[str, torch.Tensor] = {}  # had one optimizer's stayed, by its name
             if got.positions is not None and previous and previous.positions == got.positions:
                 accumulated = _clipped(
                     previous.values + want.raw_seen_as(got.positions), setup.max_grad_norm
                 )
+                if len(observed.grads) > 1 and setup.max_grad_norm is None:
+                    kept = _kept_by_one(
+                        observed, index, got.positions, shapes, expected, accumulated
+                    )
             norm, max_norm = float(flat(want.raw).norm()), setup.max_grad_norm
             # The window's last microbatches alone, (one process, mean mode) what
             # clipping after every backward steps with, and, for an epoch's first window,
@@ -846,6 +877,7 @@ def _compare_gradients(
                 got.values,
                 expected,
                 accumulated,
+                kept=kept,
                 last=last,
                 clipped_each=clipped_each,
                 first=first,
@@ -864,6 +896,32 @@ def _compare_gradients(
             problem = (index + 1, text)
         previous = got
     return worst, where, problem
+
+
+def _kept_by_one(
+    observed: Observed,
+    index: int,
+    positions: tuple[int, ...],
+    shapes: Sequence[torch.Size],
+    expected: torch.Tensor,
+    accumulated: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """For each of several optimizers, by its name: window ``index``'s gradient (flat, at
+    ``positions``) had that optimizer's parameters kept the previous window's
+    (``accumulated``) and the others' not (``expected``): one optimizer not zeroed."""
+    sizes = [shapes[i].numel() for i in positions]
+    found = {}
+    for number, steps in enumerate(observed.grads):
+        mine = set(steps[index]) if index < len(steps) else set()
+        if not mine:
+            continue
+        pieces, start = [], 0
+        for position, size in zip(positions, sizes, strict=True):
+            source = accumulated if position in mine else expected
+            pieces.append(source[start : start + size])
+            start += size
+        found[f"optimizers[{number}]"] = torch.cat(pieces)
+    return found
 
 
 def _first_microbatches(
@@ -1149,6 +1207,21 @@ def _merge(setup: _Setup, runs: list[_Run]) -> AccumulationReport:
         if rate.groups > 1:
             label += f".param_groups[{rate.group}]"
         problems.append(rate_problem(label, rate.window, rate.before, rate.after, setup.steps))
+    backwards = per_window.backwards
+    made_inside = (
+        len(runs) > 1
+        and backwards.get("all_reduce", 0) > 1
+        and not backwards.get("reduce_scatter", 0)
+    )
+    if first.ranks_apart is not None and (
+        problem := ranks_apart_problem(
+            first.ranks_apart,
+            backwards.get("all_reduce", 0),
+            setup.steps,
+            ddp=first.ddp or made_inside,
+        )
+    ):
+        problems.append(problem)
     off = [run.grad_problem for run in runs if run.grad_problem is not None]
     if off:
         problems.append(min(off, key=lambda found: found[0])[1])
@@ -1181,12 +1254,6 @@ def _merge(setup: _Setup, runs: list[_Run]) -> AccumulationReport:
     # check's own wrap, or one the trainer makes (accelerator.prepare inside train), seen
     # on several ranks as all-reduces in more than one backward a window, with no
     # reduce-scatter (HSDP's all-reduce follows its reduce-scatter every microbatch).
-    backwards = per_window.backwards
-    made_inside = (
-        len(runs) > 1
-        and backwards.get("all_reduce", 0) > 1
-        and not backwards.get("reduce_scatter", 0)
-    )
     if (
         (first.ddp or made_inside)
         and "all_reduce" not in setup.expect_collectives
