@@ -724,7 +724,7 @@ def _run(setup: _Setup, rank: int) -> _Run:
         replayed = reference.replayed(start, observed, after)
     off = grad_problem is not None or not worst <= tolerance
     drawn = off and not observed.not_per_item and reference.random_forward()
-    apart = _ranks_apart(after, tolerance) if off else None
+    apart = _ranks_apart(after, tolerance)  # (on every rank: collectives, off or not)
     return _Run(
         optimizer_steps={
             f"optimizers[{i}]" if several else "optimizer": n
