@@ -94,11 +94,13 @@ def wrap(kind: str, model: nn.Module) -> nn.Module:
         return FullyShardedDataParallel(
             model, device_id=torch.device("cpu"), sharding_strategy=ShardingStrategy.NO_SHARD
         )
-    if kind == "replicate":  # torchtitan's DDP: the composable replicate(), DDP inside
+    if kind in ("replicate", "replicate_pair"):  # torchtitan's DDP: composable, DDP inside
         from torch.distributed._composable.replicate import replicate
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        if kind == "replicate_pair":  # each layer replicated on its own
+            return Pair(model, lambda layer: replicate(layer, device_mesh=mesh))
         return replicate(model, device_mesh=mesh)
     if kind == "replicate_fsdp":  # replicate() built on fully_shard's machinery
         from torch.distributed._composable.replicate_with_fsdp import replicate as replicate2

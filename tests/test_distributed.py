@@ -96,6 +96,7 @@ def per_window(trainings: list[Training], name: str, windows: int) -> set[float]
         ("compile_ddp", 2),
         ("ddp_compile", 2),
         ("replicate", 2),
+        ("replicate_pair", 2),
         ("replicate_fsdp", 2),
         ("fsdp1_no_shard", 2),
     ],
@@ -146,6 +147,8 @@ def test_ddp_with_find_unused_parameters_defers_exactly(sync: str) -> None:
         ("replicate", "auto", {"allreduce_": 1}),
         ("replicate", "boundary", {"allreduce_": 1}),
         ("replicate", "every", {"allreduce_": 4}),
+        ("replicate_pair", "auto", {"allreduce_": 2}),  # each armed alike
+        ("replicate_pair", "every", {"allreduce_": 8}),
         # Where nothing is sharded, each rank holds the whole gradient anyway: "auto"
         # defers, as under DDP (FSDP1 NO_SHARD; replicate() on fully_shard's machinery,
         # one all-reduce a unit).
