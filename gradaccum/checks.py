@@ -98,9 +98,9 @@ def _entries(value: object, name: str, one: str) -> list[tuple[str, object]]:
     return [(f"{name}[{index}]", entry) for index, entry in enumerate(value)]
 
 
-_WRAPPED = ("optimizer", "base_optimizer", "_base_optimizer", "inner_optimizer")
-"""Where optimizer wrappers keep the optimizer they wrap (Accelerate and most, SAM,
-timm's Lookahead, Keras-style wrappers)."""
+_WRAPPED = ("optimizer", "optim", "_optimizer", "base_optimizer", "_base_optimizer")
+"""Where optimizer wrappers keep the optimizer they wrap (Accelerate and most; torch's
+PostLocalSGDOptimizer; torch's _NamedOptimizer; SAM; timm's Lookahead)."""
 
 
 def _optimizer(value: object, name: str, scaler: object) -> torch.optim.Optimizer:

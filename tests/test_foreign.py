@@ -83,13 +83,16 @@ def test_a_prepared_fp16_optimizer_needs_accelerates_scaler(accelerator: object)
     assert scaler.get_scale() == 2.0**6  # updated once per window, by the accumulator
 
 
-@pytest.mark.parametrize("attribute", ["optimizer", "base_optimizer", "_base_optimizer"])
+@pytest.mark.parametrize(
+    "attribute", ["optimizer", "optim", "_optimizer", "base_optimizer", "_base_optimizer"]
+)
 def test_a_wrapper_that_is_no_working_optimizer_is_refused_with_the_object_to_pass(
     attribute: str,
 ) -> None:
     """A foreign wrapper gradaccum cannot hook is refused in one line that names its type
     and the optimizer it wraps, not with torch's AttributeError: wherever it keeps it
-    (``.optimizer``; SAM's ``.base_optimizer``; timm's Lookahead's ``._base_optimizer``)."""
+    (``.optimizer``; torch's PostLocalSGDOptimizer's ``.optim``; SAM's ``.base_optimizer``;
+    timm's Lookahead's ``._base_optimizer``)."""
 
     class Lookahead(torch.optim.Optimizer):
         def __init__(self, optimizer: torch.optim.Optimizer) -> None:
