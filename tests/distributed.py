@@ -370,15 +370,19 @@ def restore_flags(rank: int, world: int, kind: str, dropped: bool = False) -> li
     return seen
 
 
-class OwnGradientSync(nn.Module):
-    """A wrapper of the user's own with a ``set_requires_gradient_sync()``, unregistered."""
+class Holder(nn.Module):
+    """``model`` inside a model of its own (what a DDP around a larger model holds)."""
 
-    def __init__(self, body: nn.Module) -> None:
+    def __init__(self, model: nn.Module) -> None:
         super().__init__()
-        self.body = body
+        self.inner = model
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(x)  # type: ignore[no-any-return]
+        return self.inner(x)  # type: ignore[no-any-return]
+
+
+class OwnGradientSync(Holder):
+    """A wrapper of the user's own with a ``set_requires_gradient_sync()``, unregistered."""
 
     def set_requires_gradient_sync(self, sync: bool) -> None:
         self.syncs = sync

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import gradaccum
-from tests.distributed import full_params, rank_batches, wrap
+from tests.distributed import Holder, full_params, rank_batches, wrap
 from tests.helpers import make_model, mean_loss
 
 HOOK_DICTS = (
@@ -288,17 +288,6 @@ def boundary_zero_grad(rank: int, world: int, kind: str) -> dict[str, Any]:
         "global_step": acc.global_step,
         "unchanged": all(torch.equal(p, q) for p, q in zip(before, after, strict=True)),
     }
-
-
-class Holder(nn.Module):
-    """``model`` inside a model of its own (what a DDP around a larger model holds)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.inner = model
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.inner(x)  # type: ignore[no-any-return]
 
 
 def wrapped_after(rank: int, world: int) -> dict[str, Any]:
