@@ -757,24 +757,25 @@ def _run(setup: _Setup, rank: int) -> _Run:
 
 def _ranks_apart(after: list[list[torch.Tensor]], tolerance: float) -> int | None:
     """On several ranks, the first window after which the ranks' parameters (``after``, by
-    window) differ by more than ``tolerance``, the same on every rank; else None. Two
-    collectives over the default group, which every rank's check reaches (the windows
-    each rank closed are agreed first)."""
+    window) differ by more than ``tolerance``, the same on every rank; else None. One
+    collective over the default group a window, up to that one (the spread is the same on
+    every rank, so all stop there), after one that agrees on the windows closed: every
+    rank's check reaches them."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return None
     nccl = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     closed = torch.tensor([len(after)], device=device)
     dist.all_reduce(closed, dist.ReduceOp.MIN)
-    windows = after[: int(closed.item())]
-    if not windows:
-        return None
-    values = torch.stack([flat(params) for params in windows]).to(device)
-    extremes = torch.cat([values, -values])  # the largest, and (negated) the least
-    dist.all_reduce(extremes, dist.ReduceOp.MAX)
-    spread = (extremes[: len(windows)] + extremes[len(windows) :]).amax(dim=1)
-    apart = (spread > tolerance).nonzero()
-    return int(apart[0]) + 1 if len(apart) else None
+    for index, params in enumerate(after[: int(closed.item())]):
+        values = flat(params).to(device)
+        if not values.numel():  # (no parameter: nothing to differ, on any rank)
+            return None
+        extremes = torch.cat([values, -values])  # the largest, and (negated) the least
+        dist.all_reduce(extremes, dist.ReduceOp.MAX)
+        if float((extremes[: len(values)] + extremes[len(values) :]).max()) > tolerance:
+            return index + 1
+    return None
 
 
 def _left_over(model: nn.Module) -> bool:
