@@ -212,6 +212,36 @@ def nanogpt_check(
     )
 
 
+def replicated(model: nn.Module) -> nn.Module:
+    """``model`` under torchtitan's DDP, the composable ``replicate()``, over every rank."""
+    from torch.distributed._composable.replicate import replicate
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return replicate(model, device_mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+
+
+def replicate_loop(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    batches: Sequence[Batch],
+    *,
+    synced_first: bool = False,
+) -> None:
+    """A hand loop over a `replicated` model, as torchtitan's would defer: its sync set with
+    ``set_requires_gradient_sync()`` before each forward, on for a window's last microbatch
+    (its first with ``synced_first``: the ranks step apart)."""
+    for index, batch in enumerate(batches[: len(batches) // STEPS * STEPS]):
+        position = index % STEPS
+        model.set_requires_gradient_sync(position == (0 if synced_first else STEPS - 1))  # type: ignore[operator]
+        (mean_loss(model, batch) / STEPS).backward()
+        if position == STEPS - 1:
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+    model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
 def split_optimizers(params: Any) -> list[torch.optim.Optimizer]:
     """SGD with momentum on the weights, Adam on the biases."""
     params = list(params)
@@ -504,6 +534,11 @@ def checks(rank: int, world: int) -> dict[str, Any]:
             **ddp,
         ),
         "two_optimizers_one_zeroed": two_optimizer_check(world, zero_first_only=True),
+        "replicate": check(replicate_loop, wrap=replicated),
+        "replicate_accumulator": check(accumulator_loop, wrap=replicated),
+        "replicate_synced_first": check(
+            functools.partial(replicate_loop, synced_first=True), wrap=replicated
+        ),
         "forward_inside_unexpected": check(hand_loop, **ddp),
         "scheduler_every_microbatch": check(
             functools.partial(hand_loop, scheduler_every_microbatch=True), **ddp

@@ -337,6 +337,17 @@ def test_ranks_that_step_apart_are_named() -> None:
         )
     for report in [*checked("never_synced"), *checked("forward_outside")]:
         assert not any("ranks' parameters differ" in problem for problem in report.problems)
+    # torchtitan's DDP, the composable replicate(): the same judgment.
+    for report in [*checked("replicate"), *checked("replicate_accumulator")]:
+        assert report.ok, report
+        # (its DDP is built in the first forward, and rebuilds its buckets in the second
+        # window's: broadcasts there)
+        assert [window.all_reduces for window in report.windows[1:]] == [1, 1]
+    for report in checked("replicate_synced_first"):
+        assert report.problems[0].startswith(
+            "the ranks' parameters differ after window 1: each rank stepped with a gradient "
+            "of its own. DDP all-reduced in one backward a window, but not the window's last"
+        ), report.problems
 
 
 def test_two_optimizers_under_ddp() -> None:

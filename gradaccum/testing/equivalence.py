@@ -651,6 +651,7 @@ def _cast(batch: Batch, dtype: torch.dtype) -> Batch:
 
 def _run(setup: _Setup, rank: int) -> _Run:
     """Train with the user's loop on this rank, then check it against the reference."""
+    from torch.distributed._composable.replicate import DDP as Replicated  # noqa: N811
     from torch.nn.parallel import DistributedDataParallel
 
     wrapped = setup.make_model()
@@ -740,7 +741,7 @@ def _run(setup: _Setup, rank: int) -> _Run:
         grad_problem=grad_problem,
         gradients="norm" if observed.norm_only else "full",
         learning_rates=observed.learning_rates(),
-        ddp=isinstance(unwrap(wrapped), DistributedDataParallel),
+        ddp=isinstance(unwrap(wrapped), (DistributedDataParallel, Replicated)),
         norms=_extremes([float(flat(window.raw).norm()) for window in windows]),
         largest=_largest(windows, observed.norm_only),
         autocast=autocast,
