@@ -398,18 +398,23 @@ def unknown_gradient_sync(rank: int, world: int) -> str:
     return "accepted"
 
 
-def no_sync_counted(rank: int, world: int, kind: str) -> list[dict[str, int]]:
-    """The collectives of a forward and backward inside ``gradaccum.no_sync(model)``, then
-    of one outside it (the first forward, which may build the wrapper, runs before)."""
-    model = wrap(kind, make_model())
+def no_sync_counted(rank: int, world: int, kinds: list[str]) -> dict[str, list[dict[str, int]]]:
+    """For each wrapping, the collectives of a forward and backward inside
+    ``gradaccum.no_sync(model)``, then of one outside it (the first forward, which may
+    build the wrapper, runs before), in one launch."""
     batch = rank_batches(rank, [2])[0]
-    mean_loss(model, batch).backward()
-    counted = []
-    for inside in (True, False):
-        with CollectiveCounter() as counter, gradaccum.no_sync(model) if inside else nullcontext():
-            mean_loss(model, batch).backward()
-        counted.append(dict(counter.ops))
-    return counted
+    found = {}
+    for kind in kinds:
+        model = wrap(kind, make_model())
+        mean_loss(model, batch).backward()
+        counted = []
+        for inside in (True, False):
+            within = gradaccum.no_sync(model) if inside else nullcontext()
+            with CollectiveCounter() as counter, within:
+                mean_loss(model, batch).backward()
+            counted.append(dict(counter.ops))
+        found[kind] = counted
+    return found
 
 
 def verify_rows_with_late_arming(rank: int, world: int) -> Any:

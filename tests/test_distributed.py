@@ -210,7 +210,6 @@ def test_num_items_is_the_item_mean_over_the_global_window(kind: str) -> None:
         ("fully_shard", 2, torch.float64, TOL),
         ("hsdp", 4, torch.float64, TOL),
         ("replicate", 2, torch.float64, TOL),
-        ("replicate_fsdp", 2, torch.float64, TOL),
     ],
 )
 def test_clipping_uses_the_full_norm(kind: str, world: int, dtype: torch.dtype, tol: float) -> None:
@@ -324,17 +323,15 @@ def test_an_unclosed_accumulator_cannot_stop_the_next_from_reducing(kind: str, s
             assert (got - want).abs().max().item() < TOL
 
 
-@pytest.mark.parametrize(
-    ("kind", "reduces"),
-    [("ddp", 1), ("replicate", 1), ("replicate_fsdp", UNITS), ("fsdp1_no_shard", 1)],
-)
-def test_no_sync_keeps_the_gradient_local(kind: str, reduces: int) -> None:
+def test_no_sync_keeps_the_gradient_local() -> None:
     """``gradaccum.no_sync(model)`` around a forward and backward: no all-reduce inside it
     (the composable replicate() and replicate on fully_shard's machinery included), the
     wrapper's all-reduces outside it."""
-    for inside, outside in run(distributed.no_sync_counted, 2, kind):
-        assert inside.get("c10d::allreduce_", 0) == 0
-        assert outside.get("c10d::allreduce_", 0) == reduces
+    reduces = {"ddp": 1, "replicate": 1, "replicate_fsdp": UNITS, "fsdp1_no_shard": 1}
+    for rank in run(distributed.no_sync_counted, 2, list(reduces)):
+        for kind, (inside, outside) in rank.items():
+            assert inside.get("c10d::allreduce_", 0) == 0, kind
+            assert outside.get("c10d::allreduce_", 0) == reduces[kind], kind
 
 
 def test_an_unknown_set_requires_gradient_sync_is_refused_on_several_ranks() -> None:
