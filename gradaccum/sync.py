@@ -576,8 +576,7 @@ class ReplicateSync(DDPSync):
     def overridden(self) -> bool | None:
         """Whether this backward all-reduces, if that is not what was armed (what a DDP
         recorded of its last forward; nothing for one not built yet)."""
-        for state in self._states:
-            ddp = getattr(state, "_ddp", None)
+        for ddp in self._ddps():
             if ddp is not None and ddp.require_forward_param_sync is not self._armed:
                 return bool(ddp.require_forward_param_sync)
         return None
