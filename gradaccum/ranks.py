@@ -3,13 +3,28 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
 from gradaccum import faults
 from gradaccum.errors import warn
 
-__all__ = ["Ranks"]
+__all__ = ["Ranks", "collective_device"]
+
+
+def collective_device(device: torch.device, supported: Sequence[torch.device]) -> torch.device:
+    """Where the scalar collectives run, for parameters on ``device`` and a group whose
+    backends take tensors on the ``supported`` device types (torch's record of the group's
+    backends; empty where it has none): the parameters' device, unless they are on the
+    CPU and no backend of the group takes CPU tensors, as NCCL alone does not under CPU
+    offloading (FSDP's ``CPUOffloadPolicy``, ``CPUOffload(offload_params=True)``): then
+    the group's device, at its current index (``torch.cuda.set_device``). Gloo takes CUDA
+    tensors, so CUDA parameters stay on their device under it."""
+    if device.type != "cpu" or not supported or any(each.type == "cpu" for each in supported):
+        return device
+    return torch.device(supported[0].type)
 
 
 class Ranks:
@@ -18,13 +33,15 @@ class Ranks:
     Attributes:
         group: The process group, or ``None``.
         count: How many ranks hold the gradients (1 without a group).
-        device: Where the scalar collectives' tensors live (the parameters' device).
+        device: Where the scalar collectives' tensors live: the parameters' device, or
+            the group's where it takes no tensor there (`collective_device`).
     """
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
         self.group = group
         self.count = 1 if group is None else dist.get_world_size(group)
-        self.device = device
+        supported = () if group is None else getattr(group, "_device_types", ())
+        self.device = collective_device(device, supported)
         self._warned = False
 
     @property

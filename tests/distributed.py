@@ -111,6 +111,16 @@ def wrap(kind: str, model: nn.Module) -> nn.Module:
             if isinstance(layer, nn.Linear):
                 replicate2(layer, mesh=mesh)
         return replicate2(model, mesh=mesh)
+    if kind == "fully_shard_offload":  # CPU offloading (unpinned: no accelerator here)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        policy = CPUOffloadPolicy(pin_memory=False)
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh, offload_policy=policy)
+        return fully_shard(model, mesh=mesh, offload_policy=policy)  # type: ignore[no-any-return]
     if kind in ("fully_shard", "hsdp"):
         return wrapper("fully_shard" if kind == "fully_shard" else "HSDP", torch.device("cpu"))(
             model

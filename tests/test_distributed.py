@@ -185,11 +185,13 @@ def test_partial_window_syncs_on_its_last_microstep(kind: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "kind", ["ddp", "fsdp1", "fully_shard", "hsdp", "replicate", "replicate_fsdp"]
+    "kind",
+    ["ddp", "fsdp1", "fully_shard", "fully_shard_offload", "hsdp", "replicate", "replicate_fsdp"],
 )
 def test_num_items_is_the_item_mean_over_the_global_window(kind: str) -> None:
     """Different token counts on every rank and microbatch: one scalar all-reduce per window
-    (the item total over the ranks that average the gradients)."""
+    (the item total over the ranks that average the gradients). Under CPU offloading the
+    parameters and their gradients stay on the CPU, where the item total is applied."""
     world = 4 if kind == "hsdp" else 2
     sizes = [[1 + (3 * i + 5 * r) % 6 for i in range(13)] for r in range(world)]
     trainings = run(train, world, kind, sizes, items=True)
