@@ -32,8 +32,9 @@ class Stepper:
     optimizer's entry may be None). Each optimizer's step pre-hook refuses
     ``optimizer.step()`` by hand inside a window and warns about it between windows; a
     scheduler whose ``last_epoch`` moved between the accumulator's steps was stepped by
-    hand, which is reported at its next step, unless an optimizer's state was loaded
-    since (a resume, which loads the schedulers' states with it).
+    hand, which is reported at its next step (once per accumulator: a loop that does it
+    does it every window), unless an optimizer's state was loaded since (a resume, which
+    loads the schedulers' states with it).
 
     Attributes:
         applied: The current window's optimizer steps have run (a scheduler step may
@@ -64,6 +65,7 @@ class Stepper:
         self._scheduled: list[list[Any]] = [
             [scheduler, _last_epoch(scheduler)] for scheduler in schedulers if scheduler is not None
         ]
+        self._told_stepped = False  # a schedule stepped by hand is said once, not every window
         self._hooks = [
             optimizer.register_step_pre_hook(self._foreign_step) for optimizer in optimizers
         ]
@@ -119,7 +121,12 @@ class Stepper:
                 self.applied = True
                 for record in self._scheduled:
                     scheduler, last = record
-                    if last is not None and (now := _last_epoch(scheduler)) != last:
+                    if (
+                        last is not None
+                        and (now := _last_epoch(scheduler)) != last
+                        and not self._told_stepped
+                    ):
+                        self._told_stepped = True
                         _warn_stepped(last, now)
                     scheduler.step()
                     record[1] = _last_epoch(scheduler)
@@ -210,7 +217,7 @@ def _warn_stepped(scheduled: int | None, moved: object) -> None:
         f"the scheduler was stepped outside the accumulator (its last_epoch moved from "
         f"{scheduled} to {moved} between the accumulator's steps); the accumulator steps it "
         "once per applied window: remove the scheduler.step() call (after loading a "
-        "scheduler's state, also load the accumulator's)"
+        "scheduler's state, also load the accumulator's); said once per accumulator"
     )
 
 

@@ -150,6 +150,22 @@ def test_each_scheduler_is_watched_for_steps_by_hand() -> None:
         pass
 
 
+def test_a_scheduler_stepped_by_hand_every_window_is_reported_once() -> None:
+    """A loop that also steps the scheduler does it every window: one warning says so,
+    not one a window in the log of a long run."""
+    model, optimizers, schedulers = parts()
+    acc = gradaccum.Accumulator(model, optimizers, schedulers, steps=1)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for batch in make_batches([2] * 4):
+            with acc.microstep(mean_loss(model, batch)):
+                pass
+            schedulers[0].step()
+    told = [str(w.message) for w in seen if "stepped outside the accumulator" in str(w.message)]
+    assert len(told) == 1, told
+    assert "said once per accumulator" in told[0]
+
+
 def test_a_chained_scheduler_stepped_by_hand_is_reported() -> None:
     """A ``ChainedScheduler`` has no ``last_epoch`` of its own, so a step by hand of it
     (a schedule running twice as fast) went unseen; it is read by its first scheduler's."""
