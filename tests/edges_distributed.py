@@ -207,3 +207,22 @@ def static_graph(rank: int, world: int, checkpointed: bool) -> dict[str, Any]:
         "backwards": [window.backwards.get("all_reduce", 0) for window in counter.windows],
         "params": [param.detach().clone() for param in model.parameters()],
     }
+
+
+def joined(rank: int, world: int) -> dict[str, Any]:
+    """DDP's answer to uneven inputs, the loop inside ``with model.join():`` (which the
+    Accumulator's length agreement makes unneeded), steps=4 over 8 microbatches: per
+    window, the backward passes that all-reduced and the all-reduces outside a backward
+    (Join's, in each forward); the parameters."""
+    model = wrap("ddp", make_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    counter = CollectiveCounter(optimizer)
+    with counter, gradaccum.Accumulator(model, optimizer, steps=4) as acc, model.join():
+        for batch in acc.epoch(rank_batches(rank, [2] * 8)):
+            with acc.microstep(mean_loss(model, batch)):
+                pass
+    return {
+        "backwards": [window.backwards.get("all_reduce", 0) for window in counter.windows],
+        "all_reduces": [window.collectives.get("all_reduce", 0) for window in counter.windows],
+        "params": [param.detach().clone() for param in model.parameters()],
+    }

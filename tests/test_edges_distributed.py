@@ -117,3 +117,21 @@ def test_ddp_with_static_graph_defers_after_its_first_window(checkpointed: bool)
         assert outcome["backwards"] == [2, 1]
         for got, expected in zip(outcome["params"], want, strict=True):
             assert (got - expected).abs().max().item() < TOL
+
+
+def test_a_loop_inside_ddps_join_defers_and_is_exact() -> None:
+    """``with model.join():`` around the loop, as torch's answer to uneven inputs: the
+    window's gradient still all-reduces in its last backward only and the parameters
+    are the float64 big-batch reference's; Join adds its own all-reduces in every forward
+    (2 a microbatch), which the docs say to drop it for."""
+    outcomes = run(edges_distributed.joined, 2)
+    per_rank = [windows_of(rank_batches(rank, [2] * 8), 4) for rank in range(2)]
+    windows = [[batch for part in both for batch in part] for both in zip(*per_rank, strict=True)]
+    want = list(reference_sgd(make_model(), windows, 0.1).parameters())
+    for outcome in outcomes:
+        assert outcome["backwards"] == [1, 1]
+        # The second window: its gradient's all-reduce and Join's 2 in each of 4 forwards
+        # (the first also holds the epoch's length agreement).
+        assert outcome["all_reduces"][1] == 1 + 2 * 4
+        for got, expected in zip(outcome["params"], want, strict=True):
+            assert (got - expected).abs().max().item() < TOL
