@@ -624,22 +624,34 @@ def _warn_overridden(acc: Accumulator, actual: bool) -> None:
             "(ahead of its block, or inside a no_sync() of your own, such as the one "
             "Accelerate's accelerator.accumulate() enters)"
         )
+        # DDP records what its last forward prepared; a forward around DDP's (the module
+        # inside it called directly) records nothing, and its backward all-reduces nothing.
+        around = (
+            "did not run through DDP's forward at all (model.module(x), or a method of the "
+            "inner module), which DDP never sees: then DDP shows an earlier forward's "
+            "record, and no backward of such a forward all-reduces, the window's last "
+            "neither, so the ranks' parameters drift apart"
+        )
         if actual:
-            cause = f"the forward of {window.where()} ran while DDP was set to all-reduce {ahead}"
+            cause = (
+                f"the forward of {window.where()} ran while DDP was set to all-reduce "
+                f"{ahead}, or {around}"
+            )
         else:
             # DDP records its last forward only: one under no_grad (an evaluation) after
             # the loss's records no all-reduce, whatever the loss's forward prepared.
             cause = (
                 "the forward DDP ran last prepared no all-reduce: either the forward of "
-                f"{window.where()} ran while DDP was set to defer {ahead}{lost}, or a "
-                "forward under no_grad (an evaluation) ran between it and its block, which "
-                "DDP records in its place, and nothing is wrong"
+                f"{window.where()} ran while DDP was set to defer {ahead}{lost}, or it "
+                f"{around}, or a forward under no_grad (an evaluation) ran between it and "
+                "its block, which DDP records in its place, and nothing is wrong"
             )
         lost = ""
         fix = (
-            "run each microbatch's forward right before its `with acc.microstep(loss):` "
-            "block, outside any no_sync(), and evaluations before it or after the block: "
-            "the accumulator sets DDP's flag itself"
+            "run each microbatch's forward through the DDP model itself, model(x), right "
+            "before its `with acc.microstep(loss):` block, outside any no_sync(), and "
+            "evaluations before it or after the block: the accumulator sets DDP's flag "
+            "itself"
         )
     else:
         cause = (

@@ -53,12 +53,15 @@ def accumulator_loop(
     *,
     steps: int = STEPS,
     by_items: bool = False,
+    around_ddp: bool = False,
     **options: Any,
 ) -> None:
-    """The design-card loop (``options`` go to the `Accumulator`)."""
+    """The design-card loop (``options`` go to the `Accumulator`); with ``around_ddp``,
+    each forward calls the module inside DDP, ``model.module`` (a bug)."""
+    net = model.module if around_ddp else model
     with gradaccum.Accumulator(model, optimizer, scheduler, steps=steps, **options) as acc:
         for batch in acc.epoch(batches):
-            loss = sum_loss(model, batch) if by_items else mean_loss(model, batch)
+            loss = sum_loss(net, batch) if by_items else mean_loss(net, batch)
             with acc.microstep(loss, num_items=items(batch) if by_items else None):
                 pass
 
@@ -77,6 +80,7 @@ def hand_loop(
     synced_first: bool = False,
     zero_every_microstep: bool = False,
     clip_every_microstep: float | None = None,
+    around_ddp: bool = False,
 ) -> None:
     """A loop of its own: ``loss / steps`` per microbatch (by ``divisor`` if given: a
     bug), ``no_sync()`` off the boundary (around the forward too, unless
@@ -87,8 +91,11 @@ def hand_loop(
     ``scheduler_every_microbatch``: the bug the step count shows). Two more bugs: with
     ``zero_every_microstep``, a plain loop's ``zero_grad()`` left at the top of the body
     (each backward clears the window's gradient so far); with ``clip_every_microstep``,
-    ``clip_grad_norm_`` to it right after every backward (the partial sums clipped)."""
+    ``clip_grad_norm_`` to it right after every backward (the partial sums clipped); with
+    ``around_ddp``, each forward calls the module inside DDP, ``model.module``, which DDP
+    never sees (its backward all-reduces nothing)."""
     no_sync = getattr(model, "no_sync", contextlib.nullcontext)
+    net = model.module if around_ddp else model
     for index, batch in enumerate(batches[: len(batches) // steps * steps]):
         if zero_every_microstep:
             optimizer.zero_grad()
@@ -98,9 +105,9 @@ def hand_loop(
         divisor = steps if divisor is None else divisor
         if forward_inside:
             with context:
-                (mean_loss(model, batch) / divisor).backward()
+                (mean_loss(net, batch) / divisor).backward()
         else:
-            loss = mean_loss(model, batch) / divisor
+            loss = mean_loss(net, batch) / divisor
             with context:
                 loss.backward()
         if clip_every_microstep is not None:
@@ -528,6 +535,7 @@ def checks(rank: int, world: int) -> dict[str, Any]:
         "ddp_made_inside": check(ddp_inside_loop),
         "ddp_made_inside_outside": check(functools.partial(ddp_inside_loop, forward_inside=False)),
         "never_synced": check(functools.partial(hand_loop, synced=0), **ddp),
+        "around_ddp": check(functools.partial(hand_loop, around_ddp=True), **ddp),
         "synced_first": check(
             functools.partial(hand_loop, synced_first=True),
             expect_collectives={"all_reduce": 1},
@@ -610,6 +618,14 @@ def checks(rank: int, world: int) -> dict[str, Any]:
         hand_loop(model, optimizer, None, rank_batches(rank), forward_inside=forward_inside)
         found["buckets"][name] = buckets.buckets
     found["plain"] = plain_collectives()
+    with warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always")
+        found["around_ddp_accumulator"] = check(
+            functools.partial(accumulator_loop, around_ddp=True), **ddp
+        )
+    found["around_ddp_warnings"] = {
+        str(warning.message) for warning in told if "accumulator armed" in str(warning.message)
+    }
     return found
 
 

@@ -92,7 +92,7 @@ def test_forward_run_for_another_microstep_warns() -> None:
     for messages in run(distributed.forwards_ahead, 2):
         assert len(messages) == 1
         assert "the forward of microstep 2 of 2 ran while DDP was set to defer" in messages[0]
-        assert "run each microbatch's forward right before its" in messages[0]
+        assert "run each microbatch's forward through the DDP model itself" in messages[0]
 
 
 def test_warm_up_schedule_under_ddp() -> None:

@@ -133,6 +133,33 @@ def test_ddp_s_sync_is_checked_without_an_expected_count() -> None:
         assert report.problems[0].startswith("the gradient of window 1 is off the float64")
 
 
+BYPASS = (
+    "the module inside DDP ran its forward 12 times outside DDP's (model.module(x), or a "
+    "method of the inner module): DDP prepares each backward's all-reduce in its own "
+    "forward, so the backward of such a forward all-reduces nothing. Call the DDP model "
+    "itself, model(x) (a loss computed by a method of the inner module belongs in its "
+    "forward)"
+)
+
+
+def test_forwards_around_ddp_are_named() -> None:
+    """A loss computed through ``model.module`` (a habit of trainers that call a method of
+    the inner module for it): DDP never sees the forward, so no backward all-reduces and
+    each rank steps with its own gradient. The check counts the inner module's forwards
+    outside DDP's and names them as the cause, for a hand loop and for the Accumulator,
+    which warns at every microstep the window defers that DDP shows an earlier forward's
+    record, naming the forward around DDP's."""
+    for name in ("around_ddp", "around_ddp_accumulator"):
+        for report in checked(name):
+            assert f"0 all-reduces per window at steps=4: {BYPASS}" in report.problems, report
+            assert report.per_window.backwards == {}
+    for told in checked("around_ddp_warnings"):
+        assert told, "the Accumulator said nothing"
+        for message in told:
+            assert "did not run through DDP's forward at all (model.module(x)" in message
+            assert "the ranks' parameters drift apart" in message
+
+
 def test_each_rank_dividing_by_its_own_items_fails_where_the_ranks_differ() -> None:
     """Item mode done per rank (each divides by its own window's items, DDP averages the
     means): wrong, and caught where the ranks' windows hold different items; where they

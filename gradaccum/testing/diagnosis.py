@@ -15,6 +15,7 @@ from gradaccum.testing.counting import in_words
 
 __all__ = [
     "blind_spots",
+    "bypass_problem",
     "clip_factor",
     "collective_problem",
     "ddp_problem",
@@ -469,12 +470,14 @@ def collective_problem(
     steps: int,
     ddp: bool,
     gradient_off: bool = False,
+    bypassed: int = 0,
 ) -> str | None:
     """``4 all-reduces per window at steps=4, expected 1``, and why: how many ran in the
     backward and how many (``outside``) outside it, which are the trainer's own (a
     metric's all-reduce), not the gradient's; and for DDP all-reducing in more than one
     of the ``backwards`` of a window, `ddp_problem` (``gradient_off``: a window's
-    gradient was off the reference's). None when the count is the expected one."""
+    gradient was off the reference's; ``bypassed``: forwards that ran around DDP's). None
+    when the count is the expected one."""
     if got == count:
         return None
     problem = f"{in_words(got, kind)} per window at steps={steps}, expected {count}"
@@ -486,21 +489,42 @@ def collective_problem(
             else ""  # (FSDP's forward all-gathers run outside it too)
         )
         problem += f" ({got - outside} in the backward, {outside} outside it{whose})"
-    if kind == "all_reduce" and ddp and (why := ddp_problem(backwards, steps, gradient_off)):
+    if (
+        kind == "all_reduce"
+        and ddp
+        and (why := ddp_problem(backwards, steps, gradient_off, bypassed=bypassed))
+    ):
         problem += f": {why}"
     return problem
 
 
-def ranks_apart_problem(window: int, backwards: int, steps: int, *, ddp: bool) -> str | None:
+def bypass_problem(bypassed: int) -> str:
+    """Why DDP did not all-reduce: ``bypassed`` training forwards ran around its own."""
+    times = "once" if bypassed == 1 else f"{bypassed} times"
+    return (
+        f"the module inside DDP ran its forward {times} outside DDP's (model.module(x), or "
+        "a method of the inner module): DDP prepares each backward's all-reduce in its own "
+        "forward, so the backward of such a forward all-reduces nothing. Call the DDP "
+        "model itself, model(x) (a loss computed by a method of the inner module belongs "
+        "in its forward)"
+    )
+
+
+def ranks_apart_problem(
+    window: int, backwards: int, steps: int, *, ddp: bool, bypassed: int = 0
+) -> str | None:
     """The ranks' parameters differ after ``window``: each stepped with a gradient of its
-    own, and why, from the ``backwards`` of a window that all-reduced; None where DDP never
-    all-reduced (`ddp_problem` names that)."""
+    own, and why, from the ``backwards`` of a window that all-reduced, or the forwards
+    that ran around DDP's (``bypassed``); None where DDP never all-reduced (`ddp_problem`
+    names that)."""
     if ddp and backwards == 0:
         return None
     problem = (
         f"the ranks' parameters differ after window {window}: each rank stepped with a "
         "gradient of its own"
     )
+    if ddp and bypassed:
+        return f"{problem}. {bypass_problem(bypassed)}"
     if ddp and backwards < steps:
         which = "one backward" if backwards == 1 else f"{backwards} backwards"
         return (
@@ -511,12 +535,15 @@ def ranks_apart_problem(window: int, backwards: int, steps: int, *, ddp: bool) -
     return f"{problem}: is the gradient reduced over the ranks before every optimizer.step()?"
 
 
-def ddp_problem(backwards: int, steps: int, gradient_off: bool) -> str | None:
+def ddp_problem(backwards: int, steps: int, gradient_off: bool, *, bypassed: int = 0) -> str | None:
     """Why DDP all-reduced in the backward of ``backwards`` microbatches of a window of
     ``steps``: more than one (the gradient is exact either way, so only this count shows
     it), or none while the gradient is off (each rank stepped with its own: with an exact
     gradient, DDP sent it where the counter does not see, through a comm hook of its
-    own); None where it did in one, the window's last."""
+    own), said as `bypass_problem` where ``bypassed`` forwards ran around DDP's; None
+    where it did in one, the window's last."""
+    if backwards == 0 and gradient_off and bypassed:
+        return bypass_problem(bypassed)
     if backwards == 0 and gradient_off:
         return (
             "DDP never all-reduced the window's gradient, so each rank stepped with its "

@@ -628,6 +628,7 @@ class _Run:
     reference: str  # the dtype the reference ran in ("float64", or the parameters')
     rate_moved: RateMoved | None  # the first learning rate that moved inside a window
     ranks_apart: int | None  # the first window after which the ranks' parameters differ
+    bypassed: int  # under DDP, training forwards of its inner module outside DDP's forward
     # Off the reference, its gradients on it: the gap to the optimizer stepped with the
     # trainer's own gradients (`_replayed`); None where not asked or not seen.
     replayed: float | None = None
@@ -751,6 +752,7 @@ def _run(setup: _Setup, rank: int) -> _Run:
         random_forward=drawn,
         rate_moved=observed.rate_moved,
         ranks_apart=apart,
+        bypassed=observed.bypassed,
         reference=str(reference.dtype).removeprefix("torch."),
         replayed=replayed,
     )
@@ -1221,6 +1223,7 @@ def _merge(setup: _Setup, runs: list[_Run]) -> AccumulationReport:
             backwards.get("all_reduce", 0),
             setup.steps,
             ddp=first.ddp or made_inside,
+            bypassed=first.bypassed,
         )
     ):
         problems.append(problem)
@@ -1250,6 +1253,7 @@ def _merge(setup: _Setup, runs: list[_Run]) -> AccumulationReport:
             steps=setup.steps,
             ddp=first.ddp,
             gradient_off=bool(off),
+            bypassed=first.bypassed,
         ):
             problems.append(problem)
     # Under DDP, where no all-reduce count is expected, DDP's sync is still checked: the
@@ -1259,7 +1263,14 @@ def _merge(setup: _Setup, runs: list[_Run]) -> AccumulationReport:
     if (
         (first.ddp or made_inside)
         and "all_reduce" not in setup.expect_collectives
-        and (why := ddp_problem(per_window.backwards.get("all_reduce", 0), setup.steps, bool(off)))
+        and (
+            why := ddp_problem(
+                per_window.backwards.get("all_reduce", 0),
+                setup.steps,
+                bool(off),
+                bypassed=first.bypassed,
+            )
+        )
     ):
         problems.append(
             f"{in_words(per_window.all_reduces, 'all_reduce')} per window at "

@@ -187,6 +187,9 @@ class Observed:
             every microbatch), as `RateMoved`, or None. Each epoch starts afresh (the
             microbatches an epoch drops at its end are of no window).
         dtype: The parameters' floating-point dtype (the first's; float64 without one).
+        bypassed: Under DDP, the training forwards of the module inside it that ran
+            outside DDP's forward (``model.module(x)``, or a method of the inner module
+            that calls it), whose backward DDP does not all-reduce.
     """
 
     def __init__(
@@ -219,6 +222,10 @@ class Observed:
             if isinstance(module, (nn.modules.dropout._DropoutNd, nn.SyncBatchNorm))
         ]
         self._device = next((p.device.type for p in model.parameters()), "cpu")
+        self.bypassed = 0
+        self._inside = 0  # the wrapper's forwards running now
+        inner = _inside_ddp(model)
+        self._inner = inner if inner is not model else None
         self._hooks = ExitStack()
 
     @property
@@ -231,7 +238,11 @@ class Observed:
             hook = optimizer.register_step_pre_hook(functools.partial(self._read, index))
             self._hooks.callback(hook.remove)
         self._hooks.callback(self._model.register_forward_pre_hook(self._forward).remove)
-        self._hooks.callback(self._model.register_forward_hook(self._forward_done).remove)
+        self._hooks.callback(
+            self._model.register_forward_hook(self._forward_done, always_call=True).remove
+        )
+        if self._inner is not None:
+            self._hooks.callback(self._inner.register_forward_pre_hook(self._inner_forward).remove)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -241,7 +252,12 @@ class Observed:
         """An epoch starts: its first forward is compared with no earlier one."""
         self._rates = None
 
+    def _inner_forward(self, *_: object) -> None:
+        if not self._inside and torch.is_grad_enabled():
+            self.bypassed += 1
+
     def _forward(self, *_: object) -> None:
+        self._inside += 1
         if torch.is_grad_enabled():  # (a training forward, not an evaluation's)
             self.forwards_after += 1
             if self.rate_moved is None:
@@ -278,6 +294,7 @@ class Observed:
                     return
 
     def _forward_done(self, _: nn.Module, __: object, output: object) -> None:
+        self._inside -= 1
         if self._looks and torch.is_grad_enabled():
             self._looks -= 1
             self.computed |= graph_dtypes(output, below=self.dtype)
@@ -379,3 +396,15 @@ def apply_hyperparameters(optimizer: torch.optim.Optimizer, groups: Groups, step
         for key, value in seen.items():
             is_scalar = isinstance(value, torch.Tensor) and value.numel() == 1
             group[key] = value.item() if is_scalar else value
+
+
+def _inside_ddp(model: nn.Module) -> nn.Module:
+    """The module a DDP ``model`` (through ``torch.compile``) wraps, whose forward can be
+    called around DDP's (``model.module(x)``); else ``model``."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    outer = unwrap(model)
+    if isinstance(outer, DistributedDataParallel):
+        inner: nn.Module = outer.module
+        return inner
+    return model
