@@ -510,21 +510,16 @@ def bypass_problem(bypassed: int) -> str:
     )
 
 
-def ranks_apart_problem(
-    window: int, backwards: int, steps: int, *, ddp: bool, bypassed: int = 0
-) -> str | None:
+def ranks_apart_problem(window: int, backwards: int, steps: int, *, ddp: bool) -> str | None:
     """The ranks' parameters differ after ``window``: each stepped with a gradient of its
-    own, and why, from the ``backwards`` of a window that all-reduced, or the forwards
-    that ran around DDP's (``bypassed``); None where DDP never all-reduced (`ddp_problem`
-    names that)."""
+    own, and why, from the ``backwards`` of a window that all-reduced; None where DDP never
+    all-reduced (`ddp_problem` names that)."""
     if ddp and backwards == 0:
         return None
     problem = (
         f"the ranks' parameters differ after window {window}: each rank stepped with a "
         "gradient of its own"
     )
-    if ddp and bypassed:
-        return f"{problem}. {bypass_problem(bypassed)}"
     if ddp and backwards < steps:
         which = "one backward" if backwards == 1 else f"{backwards} backwards"
         return (

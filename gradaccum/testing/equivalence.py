@@ -1223,7 +1223,6 @@ def _merge(setup: _Setup, runs: list[_Run]) -> AccumulationReport:
             backwards.get("all_reduce", 0),
             setup.steps,
             ddp=first.ddp or made_inside,
-            bypassed=first.bypassed,
         )
     ):
         problems.append(problem)
