@@ -65,7 +65,11 @@ def check_parts(
     fp16 optimizer must be given.
     """
     if not isinstance(model, nn.Module):
-        msg = f"model must be a torch.nn.Module, got {describe(model)}"
+        msg = (
+            f"model must be a torch.nn.Module, got {describe(model)}; pass the module the "
+            "optimizer trains, as wrapped (the DDP or FSDP module, or what "
+            "accelerator.prepare returned)"
+        )
         raise ConfigTypeError(msg)
     if not any(param.requires_grad for param in model.parameters()):
         msg = (

@@ -701,7 +701,10 @@ def register_sync_strategy(wrapper_type: type[nn.Module], factory: StrategyFacto
         >>> register_sync_strategy(Replicated, lambda model, policy: LocalSync())
     """
     if not (isinstance(wrapper_type, type) and issubclass(wrapper_type, nn.Module)):
-        msg = f"wrapper_type must be a torch.nn.Module subclass, got {describe(wrapper_type)}"
+        msg = (
+            f"wrapper_type must be a torch.nn.Module subclass, got {describe(wrapper_type)}; "
+            "pass the wrapper's class itself, such as DistributedDataParallel"
+        )
         raise ConfigTypeError(msg)
     if not callable(factory):
         msg = f"factory must be callable as factory(model, policy), got {describe(factory)}"
@@ -852,7 +855,10 @@ def no_sync(model: nn.Module) -> AbstractContextManager[None]:
         ...     model(torch.ones(1, 2)).sum().backward()
     """
     if not isinstance(model, nn.Module):
-        msg = f"model must be a torch.nn.Module, got {describe(model)}"
+        msg = (
+            f"model must be a torch.nn.Module, got {describe(model)}; pass the wrapped "
+            "model whose gradient sync to skip (the DDP or FSDP module)"
+        )
         raise ConfigTypeError(msg)
     return _no_sync(model)
 
