@@ -81,6 +81,7 @@ def hand_loop(
     zero_every_microstep: bool = False,
     clip_every_microstep: float | None = None,
     around_ddp: bool = False,
+    peek_around_ddp: bool = False,
 ) -> None:
     """A loop of its own: ``loss / steps`` per microbatch (by ``divisor`` if given: a
     bug), ``no_sync()`` off the boundary (around the forward too, unless
@@ -93,7 +94,9 @@ def hand_loop(
     (each backward clears the window's gradient so far); with ``clip_every_microstep``,
     ``clip_grad_norm_`` to it right after every backward (the partial sums clipped); with
     ``around_ddp``, each forward calls the module inside DDP, ``model.module``, which DDP
-    never sees (its backward all-reduces nothing)."""
+    never sees (its backward all-reduces nothing); with ``peek_around_ddp``, each
+    microbatch also runs ``model.module`` under grad mode for a value never
+    back-propagated (right: the check must not blame it)."""
     no_sync = getattr(model, "no_sync", contextlib.nullcontext)
     net = model.module if around_ddp else model
     for index, batch in enumerate(batches[: len(batches) // steps * steps]):
@@ -110,6 +113,8 @@ def hand_loop(
             loss = mean_loss(net, batch) / divisor
             with context:
                 loss.backward()
+        if peek_around_ddp:
+            model.module(batch[0]).sum().detach()
         if clip_every_microstep is not None:
             nn.utils.clip_grad_norm_(model.parameters(), clip_every_microstep)
         if boundary:
@@ -536,6 +541,7 @@ def checks(rank: int, world: int) -> dict[str, Any]:
         "ddp_made_inside_outside": check(functools.partial(ddp_inside_loop, forward_inside=False)),
         "never_synced": check(functools.partial(hand_loop, synced=0), **ddp),
         "around_ddp": check(functools.partial(hand_loop, around_ddp=True), **ddp),
+        "peek_around_ddp": check(functools.partial(hand_loop, peek_around_ddp=True), **ddp),
         "synced_first": check(
             functools.partial(hand_loop, synced_first=True),
             expect_collectives={"all_reduce": 1},
