@@ -22,6 +22,7 @@ from torch import nn
 
 from gradaccum.checks import check_choice, check_max_grad_norm
 from gradaccum.errors import ConfigError, ConfigTypeError, describe
+from gradaccum.ranks import Ranks
 from gradaccum.schedule import check_bool, check_count, check_positive, check_steps, total_steps
 from gradaccum.schedule import trained_microbatches as _trained
 from gradaccum.sync import unwrap
@@ -766,8 +767,9 @@ def _ranks_apart(after: list[list[torch.Tensor]], tolerance: float) -> int | Non
     rank's check reaches them."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return None
-    nccl = dist.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    # The parameters compared are on the CPU: a group that takes no CPU tensor (NCCL
+    # alone) compares them on its own device.
+    device = Ranks(dist.group.WORLD, torch.device("cpu")).device
     closed = torch.tensor([len(after)], device=device)
     dist.all_reduce(closed, dist.ReduceOp.MIN)
     for index, params in enumerate(after[: int(closed.item())]):

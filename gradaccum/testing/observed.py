@@ -224,8 +224,7 @@ class Observed:
         self._device = next((p.device.type for p in model.parameters()), "cpu")
         self.bypassed = 0
         self._inside = 0  # the wrapper's forwards running now
-        inner = _inside_ddp(model)
-        self._inner = inner if inner is not model else None
+        self._inner = _inside_ddp(model)
         self._hooks = ExitStack()
 
     @property
@@ -398,13 +397,11 @@ def apply_hyperparameters(optimizer: torch.optim.Optimizer, groups: Groups, step
             group[key] = value.item() if is_scalar else value
 
 
-def _inside_ddp(model: nn.Module) -> nn.Module:
+def _inside_ddp(model: nn.Module) -> nn.Module | None:
     """The module a DDP ``model`` (through ``torch.compile``) wraps, whose forward can be
-    called around DDP's (``model.module(x)``); else ``model``."""
+    called around DDP's (``model.module(x)``); None for any other model."""
     from torch.nn.parallel import DistributedDataParallel
 
     outer = unwrap(model)
-    if isinstance(outer, DistributedDataParallel):
-        inner: nn.Module = outer.module
-        return inner
-    return model
+    inner: nn.Module | None = outer.module if isinstance(outer, DistributedDataParallel) else None
+    return inner
