@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import torch
+from torch.overrides import has_torch_function_unary
 
 from gradaccum import boundary, checks, faults, hooks
 from gradaccum.errors import NonFiniteError, RankFailedError, UsageError, warn
@@ -38,6 +39,13 @@ __all__ = [
     "refuse_close",
 ]
 
+
+# What `torch.autograd.backward` calls last, once it has checked its arguments and made the
+# gradients it was not given: the engine, with the logging and the context that compiled
+# autograd reads (private; where a torch lacks it, a microstep calls ``backward``).
+_run_backward: Callable[..., Any] | None = getattr(
+    torch.autograd.graph, "_engine_run_backward", None
+)
 
 # Each wrapper whose sync state an open accumulator sets (`SyncStrategy.wrappers`), and
 # that accumulator's block: one sets it at a time (`driver_of`).
@@ -64,9 +72,10 @@ class Microstep:
     ``busy`` refuses a new ``microstep()`` (a loss waits for its block, a block is open, or
     the accumulator is closed or broken: ``stopped``); the other attributes are what the
     hot path reads, decided when the accumulator takes a strategy (`use`, which keeps it as
-    ``strategy``), what the strategy was last armed with (``armed``), and the gradient a
-    mean-mode loss is back-propagated with (``unit``, for the divisor ``unit_divisor``:
-    `scaled`).
+    ``strategy``), what the strategy was last armed with (``armed``), and the gradients a
+    backward starts from, made once on the loss's device (``seed_device``, its
+    ``get_device()``): a mean-mode loss's (``unit``, for the divisor ``unit_divisor``:
+    `scaled`) and the ones torch makes for any other (``one``: `backward`).
     """
 
     __slots__ = (
@@ -80,10 +89,12 @@ class Microstep:
         "look",
         "loss",
         "num_items",
+        "one",
         "params",
         "plan",
         "refusing",
         "scaler",
+        "seed_device",
         "step",
         "stopped",
         "strategy",
@@ -111,6 +122,8 @@ class Microstep:
         self.idle = Step(False, 0)
         self.unit: torch.Tensor | None = None
         self.unit_divisor = 0
+        self.one: torch.Tensor | None = None
+        self.seed_device = -1
 
     @property
     def acc(self) -> Accumulator:
@@ -245,12 +258,13 @@ class Microstep:
         ``1 / divisor``, computed by the same division in the loss's dtype on its device,
         so that ``loss.backward(unit)`` gives the same gradients bit for bit, without the
         division's two ops (its forward and its backward) and torch's ``ones_like`` on
-        every microstep; it is kept (one 0-dim tensor) until the divisor or the dtype
-        changes. It is made for a plain floating-point tensor (a subclass, such as a
-        DTensor, takes its own gradient, and a complex loss is refused by torch) and, with
-        a scaler, a divisor that is a power of two: the scaler's backward multiplies by
-        its scale, and ``scale * (1 / divisor)`` equals ``scale / divisor`` exactly only
-        then.
+        every microstep; it is kept (one 0-dim tensor) until the divisor, the dtype or the
+        device changes, or something writes to it in place (a hook of the loss's that
+        changes its gradient in place: ``_version`` tells). It is made for a plain
+        floating-point tensor (a subclass, such as a DTensor, takes its own gradient, and a
+        complex loss is refused by torch) and, with a scaler, a divisor that is a power of
+        two: the scaler's backward multiplies by its scale, and ``scale * (1 / divisor)``
+        equals ``scale / divisor`` exactly only then.
         """
         if (
             type(loss) is torch.Tensor
@@ -261,6 +275,27 @@ class Microstep:
             self.unit_divisor = divisor
             return loss, unit
         return loss / divisor, None
+
+    def backward(self, root: torch.Tensor, gradient: torch.Tensor | None) -> None:
+        """Back-propagate ``root`` with ``gradient`` by ``root.backward``, where the kept
+        gradients do not fit: a subclass (a DTensor), a ``__torch_function__`` mode, a
+        torch without the engine's entry, a loss torch refuses, or the first microstep.
+
+        Where torch would make the gradient itself (a plain real tensor's ones,
+        ``ones_like``) they are made once (``one``, in ``root``'s dtype on its device) and
+        kept until the dtype or the device changes or something writes to them in place,
+        so that the next microsteps start the engine from them as
+        ``torch.autograd.backward`` does once it has checked its arguments: the same
+        gradients bit for bit, without torch's Python checks and its ``ones_like`` on
+        every microstep (on a GPU, a kernel launch)."""
+        if (
+            gradient is None
+            and _run_backward is not None
+            and type(root) is torch.Tensor
+            and root.dtype.is_floating_point
+        ):
+            self.one = torch.ones((), dtype=root.dtype, device=root.device)
+        root.backward(gradient)  # type: ignore[no-untyped-call]
 
     def __enter__(self) -> Step:
         loss = self.loss
@@ -290,6 +325,9 @@ class Microstep:
                 actual = self.strategy.overridden()
                 if actual is not None:
                     _warn_overridden(self.acc, actual)
+            if loss.get_device() != self.seed_device:  # (the seeds are made on its device)
+                self.unit = self.one = None
+                self.seed_device = loss.get_device()
             divisor, unit = window.divisor, self.unit
             if num_items is not None or divisor == 1:
                 scaled, gradient = loss, None
@@ -297,13 +335,36 @@ class Microstep:
                 unit is not None
                 and self.unit_divisor == divisor
                 and unit.dtype is loss.dtype
+                and not unit._version
                 and type(loss) is torch.Tensor
             ):
                 scaled, gradient = loss, unit
             else:
                 scaled, gradient = self.scaled(loss, divisor)
             scaler = self.scaler
-            (scaled if scaler is None else scaler.scale(scaled)).backward(gradient)  # type: ignore[no-untyped-call]
+            root = scaled if scaler is None else scaler.scale(scaled)
+            one = self.one
+            if (
+                (
+                    gradient is not None
+                    or (one is not None and one.dtype is root.dtype and not one._version)
+                )
+                and type(root) is torch.Tensor
+                and not has_torch_function_unary(root)
+            ):
+                # What root.backward(gradient) runs once it has checked its arguments and
+                # made the ones it was not given (`backward`: kept in ``one``).
+                _run_backward(  # type: ignore[misc]
+                    (root,),
+                    (one if gradient is None else gradient,),
+                    False,
+                    False,
+                    (),
+                    allow_unreachable=True,
+                    accumulate_grad=True,
+                )
+            else:
+                self.backward(root, gradient)
             window.losses.append(loss.detach())  # the value only: the graph is freed now
             if num_items is not None:
                 window.items.append(num_items)

@@ -387,7 +387,9 @@ def test_mean_mode_is_bitwise_the_hand_loops_division(
         )
 
 
-def microstep_ops(acc: gradaccum.Accumulator, loss: torch.Tensor) -> list[str]:
+def microstep_ops(
+    acc: gradaccum.Accumulator, loss: torch.Tensor, num_items: int | None = None
+) -> list[str]:
     """The aten ops that entering and leaving one microstep block runs."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -398,7 +400,7 @@ def microstep_ops(acc: gradaccum.Accumulator, loss: torch.Tensor) -> list[str]:
             ops.append(func.overloadpacket.__name__)
             return func(*args, **(kwargs or {}))
 
-    with Recorder(), acc.microstep(loss):
+    with Recorder(), acc.microstep(loss, num_items):
         pass
     return ops
 
@@ -444,3 +446,131 @@ def test_a_loss_that_is_not_a_plain_real_tensor_is_divided_as_before() -> None:
             pass
     assert divided.count("__truediv__") + divided.count("div") >= 2
     assert acc.global_step == 1
+
+
+def hand_items_loop(model, optimizer, scaler, batches, steps: int) -> None:
+    """The hand loop of summed losses: ``loss.backward()`` (torch makes its ones), through the
+    scaler, the window's gradient divided by its items at the boundary."""
+    items = 0
+    for index, batch in enumerate(batches):
+        loss = sum_loss(model, batch)
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        items += len(batch[0])
+        if index % steps == steps - 1:
+            grads = [p.grad for p in model.parameters()]
+            # As the accumulator multiplies: a low-precision gradient by a float32 factor.
+            wide = grads[0].dtype in (torch.float32, torch.float64)
+            torch._foreach_mul_(grads, 1 / items if wide else torch.tensor(1 / items))
+            items = 0
+            if scaler is None:
+                optimizer.step()
+            else:
+                scaler.step(optimizer)
+                scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+@pytest.mark.parametrize(
+    ("dtype", "init_scale"),
+    [(torch.float32, None), (torch.float64, None), (torch.bfloat16, None), (torch.float32, 2.0**8)],
+)
+def test_item_mode_is_bitwise_the_hand_loops_backward(
+    steps: int, dtype: torch.dtype, init_scale: float | None
+) -> None:
+    """A ``num_items`` microstep (and every microstep at ``steps=1``) starts the backward
+    from ones it made once, where ``loss.backward()`` makes them on every call: the
+    parameters and the optimizer's state match that hand loop bit for bit, in each dtype,
+    with and without a GradScaler."""
+    batches = make_batches([3, 5, 2] * 3, dtype=dtype)
+    runs = []
+    for use_acc in (False, True):
+        model = make_model(dtype=dtype)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        scaler = None if init_scale is None else torch.amp.GradScaler("cpu", init_scale=init_scale)
+        if use_acc:
+            acc = gradaccum.Accumulator(model, optimizer, steps=steps, scaler=scaler)
+            for batch in acc.epoch(batches):
+                with acc.microstep(sum_loss(model, batch), num_items=len(batch[0])):
+                    pass
+        else:
+            hand_items_loop(model, optimizer, scaler, batches, steps)
+        runs.append((model, optimizer))
+    (hand, hand_opt), (accumulated, acc_opt) = runs
+    for p, q in zip(hand.parameters(), accumulated.parameters(), strict=True):
+        assert torch.equal(p, q)
+        assert torch.equal(
+            hand_opt.state[p]["momentum_buffer"], acc_opt.state[q]["momentum_buffer"]
+        )
+
+
+def test_an_item_microstep_makes_no_ones() -> None:
+    """Past the first microstep, which makes the ones a backward starts from, an item-mode
+    microstep runs no ``ones_like``: the kept ones are used."""
+    batches = make_batches([3] * 8)
+    model = make_model()
+    acc = gradaccum.Accumulator(model, sgd(model), steps=4)
+    seen = [microstep_ops(acc, sum_loss(model, batch), len(batch[0])) for batch in batches]
+    assert "ones_like" in seen[0]
+    for ops in seen[1:]:
+        assert "ones_like" not in ops
+        assert "ones" not in ops
+
+
+@pytest.mark.parametrize("items", [False, True])
+def test_a_hook_that_changes_the_losss_gradient_in_place_changes_its_microstep_only(
+    items: bool,
+) -> None:
+    """A hook on the loss that scales its gradient in place (``grad.mul_(3)``) scales that
+    microstep's, bit for bit as in the hand loop: the gradient a backward starts from is
+    kept between microsteps, and made again after such a write instead of compounding it."""
+    steps = 4
+    batches = make_batches([3, 2, 4, 3] * 2)
+    runs = []
+    for use_acc in (False, True):
+        model = make_model()
+        optimizer = sgd(model)
+        acc = gradaccum.Accumulator(model, optimizer, steps=steps) if use_acc else None
+        for index, batch in enumerate(batches):
+            loss = (sum_loss if items else mean_loss)(model, batch)
+            loss.register_hook(lambda grad: grad.mul_(3))
+            count = len(batch[0]) if items else None
+            if acc is not None:
+                with acc.microstep(loss, count):
+                    pass
+                continue
+            (loss if items else loss / steps).backward()
+            if index % steps == steps - 1:
+                if items:
+                    torch._foreach_mul_([p.grad for p in model.parameters()], 1 / 12)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        runs.append(model)
+    for p, q in zip(runs[0].parameters(), runs[1].parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_a_torch_function_mode_sees_each_microsteps_backward() -> None:
+    """Under a ``__torch_function__`` mode a microstep back-propagates through
+    ``Tensor.backward``, which the mode sees (and may change), as the hand loop's: the
+    engine is started directly only where ``Tensor.backward`` would start it."""
+    from torch.overrides import TorchFunctionMode
+
+    seen: list[str] = []
+
+    class Seen(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            seen.append(getattr(func, "__name__", ""))
+            return func(*args, **(kwargs or {}))
+
+    model = make_model()
+    acc = gradaccum.Accumulator(model, sgd(model), steps=2)
+    batches = make_batches([3] * 4)
+    for items in (False, True):
+        for batch in batches[:2]:
+            loss = (sum_loss if items else mean_loss)(model, batch)
+            with Seen(), acc.microstep(loss, len(batch[0]) if items else None):
+                pass
+        assert seen.count("backward") == 2
+        seen.clear()
+    assert acc.global_step == 2
