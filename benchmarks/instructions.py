@@ -11,11 +11,13 @@ What is measured:
       on every 4th microbatch the mode's boundary work, ``optimizer.step()``,
       ``scheduler.step()``, ``zero_grad(set_to_none=True)``; under DDP the flag
       ``require_backward_grad_sync`` set before each forward;
-    * ``same``: the hand loop back-propagating as gradaccum does, ``loss.backward(unit)``
-      with ``unit`` the ``1 / steps`` that ``(loss / steps).backward()`` sends into the
-      loss (made once): the same gradients bit for bit, without the division's forward
-      and backward ops and torch's ``ones_like``, so that gradaccum's own cost is read
-      like for like (with ``num_items``, where neither divides, it is the hand loop);
+    * ``same``: the hand loop back-propagating as gradaccum does: the loss (through the
+      scaler) from a gradient made once, ``1 / steps`` (what ``(loss / steps).backward()``
+      sends into the loss) or, with ``num_items``, ones (what ``loss.backward()`` makes),
+      handed to the engine as ``torch.autograd.backward`` hands it once it has checked its
+      arguments: the same gradients bit for bit, without the division's forward and
+      backward ops, torch's ``ones_like`` and its Python checks, so that gradaccum's own
+      cost is read like for like;
     * ``floor``: `benchmarks/floor.py`, a minimal accumulator with gradaccum's hot-path
       semantics (the loss scaled, the detached loss kept, windows counted, the DDP flag
       armed before the forward) and nothing else;
@@ -148,9 +150,13 @@ def build(width: int, mode: str, setup: str) -> tuple[nn.Module, Any, Any, Any]:
 def hand_block(
     parts: tuple[Any, ...], mode: str, batches: list[Any], steps: int, same: bool = False
 ) -> None:
-    """The hand loop; ``same``: back-propagating with the loss's gradient made once."""
+    """The hand loop; ``same``: back-propagating as gradaccum does, from the loss's
+    gradient made once, straight to the engine."""
+    from torch.autograd.graph import _engine_run_backward
+
     model, optimizer, scheduler, scaler = parts
-    unit = torch.ones(()) / steps if same and mode != "items" and steps > 1 else None
+    divisor = 1 if mode == "items" else steps
+    seed = torch.ones(()) / divisor if same else None
     ddp = hasattr(model, "require_backward_grad_sync")
     params = [p for group in optimizer.param_groups for p in group["params"]]
     items = 0
@@ -158,9 +164,15 @@ def hand_block(
         boundary = index % steps == steps - 1
         if ddp:
             model.require_backward_grad_sync = boundary
-        if unit is not None:
-            loss = (model(x) - y).square().mean()
-            (loss if scaler is None else scaler.scale(loss)).backward(unit)
+        if seed is not None:
+            out = (model(x) - y).square()
+            loss = out.sum() if mode == "items" else out.mean()
+            root = loss if scaler is None else scaler.scale(loss)
+            _engine_run_backward(
+                (root,), (seed,), False, False, (), allow_unreachable=True, accumulate_grad=True
+            )
+            if mode == "items":
+                items += len(x)
         elif mode == "items":
             loss = (model(x) - y).square().sum()
             loss.backward()
