@@ -333,18 +333,52 @@ def test_step_reports_the_windows_items_and_on_one_process_its_global_loss() -> 
         acc.close()
 
 
+def step_by_hand(optimizer, scaler) -> None:
+    """The hand loop's boundary: step (through the scaler), then clear the gradients."""
+    if scaler is None:
+        optimizer.step()
+    else:
+        scaler.step(optimizer)
+        scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def hand_scaled_loop(model, optimizer, scaler, batches, steps: int) -> None:
     """The hand loop as it is written: ``(loss / steps).backward()``, through the scaler."""
     for index, batch in enumerate(batches):
         scaled = mean_loss(model, batch) / steps
         (scaled if scaler is None else scaler.scale(scaled)).backward()
         if index % steps == steps - 1:
-            if scaler is None:
-                optimizer.step()
-            else:
-                scaler.step(optimizer)
-                scaler.update()
-            optimizer.zero_grad(set_to_none=True)
+            step_by_hand(optimizer, scaler)
+
+
+def assert_bitwise_the_hand_loop(
+    batches, dtype: torch.dtype, init_scale: float | None, steps: int, *, items: bool
+) -> None:
+    """The accumulator's parameters and momentum equal the hand loop's bit for bit, with
+    mean losses (`hand_scaled_loop`) or summed ones with ``num_items`` (`hand_items_loop`)."""
+    runs = []
+    for use_acc in (False, True):
+        model = make_model(dtype=dtype)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        scaler = None if init_scale is None else torch.amp.GradScaler("cpu", init_scale=init_scale)
+        if use_acc:
+            acc = gradaccum.Accumulator(model, optimizer, steps=steps, scaler=scaler)
+            for batch in acc.epoch(batches):
+                loss = (sum_loss if items else mean_loss)(model, batch)
+                with acc.microstep(loss, len(batch[0]) if items else None):
+                    pass
+        else:
+            (hand_items_loop if items else hand_scaled_loop)(
+                model, optimizer, scaler, batches, steps
+            )
+        runs.append((model, optimizer))
+    (hand, hand_opt), (accumulated, acc_opt) = runs
+    for p, q in zip(hand.parameters(), accumulated.parameters(), strict=True):
+        assert torch.equal(p, q)
+        assert torch.equal(
+            hand_opt.state[p]["momentum_buffer"], acc_opt.state[q]["momentum_buffer"]
+        )
 
 
 @pytest.mark.parametrize("steps", [3, 4])
@@ -366,25 +400,7 @@ def test_mean_mode_is_bitwise_the_hand_loops_division(
     match that hand loop bit for bit, in each dtype, with and without a GradScaler, at a
     ``steps`` that is a power of two and one that is not."""
     batches = make_batches([3] * (steps * 3), dtype=dtype)
-    runs = []
-    for use_acc in (False, True):
-        model = make_model(dtype=dtype)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        scaler = None if init_scale is None else torch.amp.GradScaler("cpu", init_scale=init_scale)
-        if use_acc:
-            acc = gradaccum.Accumulator(model, optimizer, steps=steps, scaler=scaler)
-            for batch in acc.epoch(batches):
-                with acc.microstep(mean_loss(model, batch)):
-                    pass
-        else:
-            hand_scaled_loop(model, optimizer, scaler, batches, steps)
-        runs.append((model, optimizer))
-    (hand, hand_opt), (accumulated, acc_opt) = runs
-    for p, q in zip(hand.parameters(), accumulated.parameters(), strict=True):
-        assert torch.equal(p, q)
-        assert torch.equal(
-            hand_opt.state[p]["momentum_buffer"], acc_opt.state[q]["momentum_buffer"]
-        )
+    assert_bitwise_the_hand_loop(batches, dtype, init_scale, steps, items=False)
 
 
 def microstep_ops(
@@ -462,12 +478,7 @@ def hand_items_loop(model, optimizer, scaler, batches, steps: int) -> None:
             wide = grads[0].dtype in (torch.float32, torch.float64)
             torch._foreach_mul_(grads, 1 / items if wide else torch.tensor(1 / items))
             items = 0
-            if scaler is None:
-                optimizer.step()
-            else:
-                scaler.step(optimizer)
-                scaler.update()
-            optimizer.zero_grad(set_to_none=True)
+            step_by_hand(optimizer, scaler)
 
 
 @pytest.mark.parametrize("steps", [1, 3])
@@ -483,25 +494,7 @@ def test_item_mode_is_bitwise_the_hand_loops_backward(
     parameters and the optimizer's state match that hand loop bit for bit, in each dtype,
     with and without a GradScaler."""
     batches = make_batches([3, 5, 2] * 3, dtype=dtype)
-    runs = []
-    for use_acc in (False, True):
-        model = make_model(dtype=dtype)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        scaler = None if init_scale is None else torch.amp.GradScaler("cpu", init_scale=init_scale)
-        if use_acc:
-            acc = gradaccum.Accumulator(model, optimizer, steps=steps, scaler=scaler)
-            for batch in acc.epoch(batches):
-                with acc.microstep(sum_loss(model, batch), num_items=len(batch[0])):
-                    pass
-        else:
-            hand_items_loop(model, optimizer, scaler, batches, steps)
-        runs.append((model, optimizer))
-    (hand, hand_opt), (accumulated, acc_opt) = runs
-    for p, q in zip(hand.parameters(), accumulated.parameters(), strict=True):
-        assert torch.equal(p, q)
-        assert torch.equal(
-            hand_opt.state[p]["momentum_buffer"], acc_opt.state[q]["momentum_buffer"]
-        )
+    assert_bitwise_the_hand_loop(batches, dtype, init_scale, steps, items=True)
 
 
 def test_an_item_microstep_makes_no_ones() -> None:
