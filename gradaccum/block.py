@@ -40,11 +40,17 @@ __all__ = [
 ]
 
 
+def _through_torch(
+    roots: tuple[torch.Tensor], gradients: tuple[torch.Tensor], *_: Any, **__: Any
+) -> None:
+    torch.autograd.backward(roots, gradients)
+
+
 # What `torch.autograd.backward` calls last, once it has checked its arguments and made the
 # gradients it was not given: the engine, with the logging and the context that compiled
-# autograd reads (private; where a torch lacks it, a microstep calls ``backward``).
-_run_backward: Callable[..., Any] | None = getattr(
-    torch.autograd.graph, "_engine_run_backward", None
+# autograd reads (private; where a torch lacks it, `torch.autograd.backward` itself).
+_run_backward: Callable[..., Any] = (
+    getattr(torch.autograd.graph, "_engine_run_backward", None) or _through_torch
 )
 
 # Each wrapper whose sync state an open accumulator sets (`SyncStrategy.wrappers`), and
@@ -279,7 +285,7 @@ class Microstep:
     def backward(self, root: torch.Tensor, gradient: torch.Tensor | None) -> None:
         """Back-propagate ``root`` with ``gradient`` by ``root.backward``, where the kept
         gradients do not fit: a subclass (a DTensor), a ``__torch_function__`` mode, a
-        torch without the engine's entry, a loss torch refuses, or the first microstep.
+        loss torch refuses, or the first microstep.
 
         Where torch would make the gradient itself (a plain real tensor's ones,
         ``ones_like``) they are made once (``one``, in ``root``'s dtype on its device) and
@@ -288,12 +294,7 @@ class Microstep:
         ``torch.autograd.backward`` does once it has checked its arguments: the same
         gradients bit for bit, without torch's Python checks and its ``ones_like`` on
         every microstep (on a GPU, a kernel launch)."""
-        if (
-            gradient is None
-            and _run_backward is not None
-            and type(root) is torch.Tensor
-            and root.dtype.is_floating_point
-        ):
+        if gradient is None and type(root) is torch.Tensor and root.dtype.is_floating_point:
             self.one = torch.ones((), dtype=root.dtype, device=root.device)
         root.backward(gradient)  # type: ignore[no-untyped-call]
 
@@ -354,7 +355,7 @@ class Microstep:
             ):
                 # What root.backward(gradient) runs once it has checked its arguments and
                 # made the ones it was not given (`backward`: kept in ``one``).
-                _run_backward(  # type: ignore[misc]
+                _run_backward(
                     (root,),
                     (one if gradient is None else gradient,),
                     False,
