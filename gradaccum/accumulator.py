@@ -151,15 +151,15 @@ class Accumulator:
         self._window = Window(steps)
         self._plan = EpochPlan(self._options.drop_last)
         self._grads = misuse.GradWatch()
-        self._block = block.Microstep(self)
-        self._life = Lifecycle(stopped=self._block.stop)
-        self._global_step = self._skipped = 0
-        self._block.use(strategy)
         for each in parts.optimizers:
             each.zero_grad(set_to_none=True)
         self._stepper = stepping.Stepper(
             self, parts.optimizers, parts.schedulers, scaler, self._window.where_open
         )
+        self._block = block.Microstep(self)
+        self._life = Lifecycle(stopped=self._block.stop)
+        self._global_step = self._skipped = 0
+        self._block.use(strategy)
         self._block.watch_model()
         self._block.arm()
         # Given back once: by close(), or where the loop drops the accumulator unclosed

@@ -28,13 +28,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Microstep",
-    "apply",
     "check_items",
     "clear_window",
-    "close_window",
     "driver_of",
     "fail",
-    "prepare_boundary",
     "refuse",
     "refuse_close",
 ]
@@ -76,12 +73,15 @@ class Microstep:
     without `Accumulator.close` (a trainer function that returned, or broke out of its
     loop) is freed at once, and gives back its hooks and sync state (`release`).
     ``busy`` refuses a new ``microstep()`` (a loss waits for its block, a block is open, or
-    the accumulator is closed or broken: ``stopped``); the other attributes are what the
-    hot path reads, decided when the accumulator takes a strategy (`use`, which keeps it as
+    the accumulator is closed or broken: ``stopped``). The other attributes are what the
+    hot path reads, each decided once: the accumulator's parts and options (when made),
+    what the strategy asks (when the accumulator takes it: `use`, which keeps it as
     ``strategy``), what the strategy was last armed with (``armed``), and the gradients a
-    backward starts from, made once on the loss's device (``seed_device``, its
-    ``get_device()``): a mean-mode loss's (``unit``, for the divisor ``unit_divisor``:
-    `scaled`) and the ones torch makes for any other (``one``: `backward`).
+    backward starts from (`backward`): made once on the loss's device (``seed_device``,
+    its ``get_device()``, read when a window opens), a mean-mode loss's (``unit``, for the
+    divisor ``unit_divisor``) and the ones torch makes for any other (``one``), and the
+    one this window's microsteps start from past its first (``seed``, for a loss of dtype
+    ``seed_dtype``; None until the window's first microstep has chosen it).
     """
 
     __slots__ = (
@@ -90,22 +90,35 @@ class Microstep:
         "armed",
         "arms",
         "busy",
+        "every",
+        "finite",
+        "global_mean",
         "grads",
         "idle",
         "look",
         "loss",
+        "max_grad_norm",
+        "mean_alone",
         "num_items",
         "one",
+        "one_for",
+        "one_rank",
         "params",
         "plan",
+        "raises",
+        "ranks",
         "refusing",
         "scaler",
+        "seed",
         "seed_device",
+        "seed_dtype",
         "step",
+        "stepper",
         "stopped",
         "strategy",
         "unit",
         "unit_divisor",
+        "unit_for",
         "watch",
         "watching",
         "window",
@@ -117,19 +130,32 @@ class Microstep:
         self.watching: hooks.Watch | None = None
         self.refusing: hooks.Refusal | None = None
         self.window, self.plan, self.grads = acc._window, acc._plan, acc._grads
-        self.params = acc._params
-        self.scaler = acc._options.scaler
+        self.params, self.stepper, self.ranks = acc._params, acc._stepper, acc._ranks
+        options = acc._options
+        self.scaler, self.max_grad_norm = options.scaler, options.max_grad_norm
+        self.finite = options.check_finite
+        self.raises = options.on_nonfinite == "raise"
+        self.every = options.sync == "every"
+        self.one_rank = self.ranks.count == 1
+        # In mean mode the window's loss is all-reduced for step.global_loss (opt-in), and
+        # on one process step.global_loss is step.loss (``mean_alone``).
+        self.global_mean = options.global_loss and not self.one_rank
+        self.mean_alone = options.global_loss and self.one_rank
         self.watch = self.look = self.arms = False
         self.armed: bool | None = None
         self.busy = self.stopped = False
         self.loss: torch.Tensor | None = None
         self.num_items: int | torch.Tensor | None = None
         self.step: Step | None = None
-        self.idle = Step(False, 0)
+        self.idle = Step()
         self.unit: torch.Tensor | None = None
         self.unit_divisor = 0
         self.one: torch.Tensor | None = None
-        self.seed_device = -1
+        self.seed: torch.Tensor | None = None
+        self.seed_dtype: torch.dtype | None = None
+        self.one_for: torch.dtype | None = None  # the loss's dtype ``one`` is the seed of
+        self.unit_for: torch.dtype | None = None  # ``unit``'s (the loss's it was made for)
+        self.seed_device = -2  # (no device: the first window reads the loss's)
 
     @property
     def acc(self) -> Accumulator:
@@ -156,7 +182,7 @@ class Microstep:
         after each microstep while it could not arm as asked (``armed`` None)."""
         if not self.arms:
             return
-        sync = self.window.next_is_boundary or self.acc._options.sync == "every"
+        sync = self.window.next_is_boundary or self.every
         if sync is not self.armed:
             self.armed = None if self.strategy.arm(sync) is False else sync
 
@@ -255,48 +281,94 @@ class Microstep:
         if failed is not None:
             faults.add_note(error, f"gradaccum.RankFailedError: {failed}")
 
-    def scaled(self, loss: torch.Tensor, divisor: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """What to back-propagate for a mean-mode ``loss / divisor`` (``divisor > 1``), and
-        with which gradient, where the kept ``unit`` does not fit: ``loss`` with the unit
-        made for it, where one can be, else ``loss / divisor`` (with torch's own).
+    def backward(self, loss: torch.Tensor, num_items: int | torch.Tensor | None) -> None:
+        """Back-propagate ``loss`` where the window's ``seed`` does not fit it: the window's
+        first microstep (which opens the window and chooses the seed), a loss of another
+        dtype, a tensor subclass, or a ``__torch_function__`` mode.
 
-        ``unit`` is the gradient that ``(loss / divisor).backward()`` sends into ``loss``:
-        ``1 / divisor``, computed by the same division in the loss's dtype on its device,
-        so that ``loss.backward(unit)`` gives the same gradients bit for bit, without the
-        division's two ops (its forward and its backward) and torch's ``ones_like`` on
-        every microstep; it is kept (one 0-dim tensor) until the divisor, the dtype or the
-        device changes, or something writes to it in place (a hook of the loss's that
-        changes its gradient in place: ``_version`` tells). It is made for a plain
-        floating-point tensor (a subclass, such as a DTensor, takes its own gradient, and a
-        complex loss is refused by torch) and, with a scaler, a divisor that is a power of
-        two: the scaler's backward multiplies by its scale, and ``scale * (1 / divisor)``
-        equals ``scale / divisor`` exactly only then.
+        A mean-mode loss back-propagates as ``(loss / divisor).backward()`` would: ``loss``
+        from ``unit``, the gradient that the division sends into ``loss``, ``1 / divisor``
+        computed by the same division in the loss's dtype on its device, so that the
+        gradients are the same bit for bit without the division's two ops (its forward and
+        its backward) and torch's ``ones_like`` on every microstep. The unit is made for a
+        plain floating-point tensor (a subclass, such as a DTensor, takes its own gradient,
+        and a complex loss is refused by torch) and, with a scaler, a divisor that is a
+        power of two (the scaler's backward multiplies by its scale, and ``scale * (1 /
+        divisor)`` equals ``scale / divisor`` exactly only then); elsewhere the loss is
+        divided. Any other loss (``num_items``, ``steps=1``, a divided one) starts from the
+        ones that ``backward()`` makes, ``one``, which the first such backward makes once.
+        Both are kept until the divisor, the dtype or the device changes (the device is read
+        as a window opens), or something writes to them in place (a hook of the loss's that
+        changes its gradient in place: ``_version`` tells). Where ``loss`` itself started
+        from a kept gradient, that gradient is the window's ``seed`` from then on
+        (`__enter__`).
+
+        A kept gradient goes to the engine as ``torch.autograd.backward`` hands it on once it
+        has checked its arguments; a subclass or a mode goes through ``root.backward()``,
+        which its ``__torch_function__`` sees.
         """
-        if (
-            type(loss) is torch.Tensor
-            and loss.dtype.is_floating_point
-            and (self.scaler is None or divisor & (divisor - 1) == 0)
-        ):
-            self.unit = unit = torch.ones((), dtype=loss.dtype, device=loss.device) / divisor
-            self.unit_divisor = divisor
-            return loss, unit
-        return loss / divisor, None
+        divisor, scaler = self.window.divisor, self.scaler
+        plain = type(loss) is torch.Tensor
+        dtype = loss.dtype
+        root, unit = loss, None
+        if num_items is None and divisor != 1:
+            unit = self.unit
+            if not (
+                unit is not None
+                and plain
+                and self.unit_divisor == divisor
+                and unit.dtype is dtype
+                and not unit._version
+            ):
+                if (
+                    plain
+                    and dtype.is_floating_point
+                    and (scaler is None or not divisor & (divisor - 1))
+                ):
+                    unit = torch.ones((), dtype=dtype, device=loss.device) / divisor
+                    self.unit, self.unit_divisor, self.unit_for = unit, divisor, dtype
+                else:
+                    unit, root = None, loss / divisor
+        divided = root is not loss
+        if scaler is not None:
+            root = scaler.scale(root)
+        seed = unit
+        if seed is None:
+            one = self.one
+            if one is not None and one.dtype is root.dtype and not one._version:
+                seed = one
+        direct = type(root) is torch.Tensor and not has_torch_function_unary(root)
+        if seed is not None and direct:
+            _run_backward(
+                (root,), (seed,), False, False, (), allow_unreachable=True, accumulate_grad=True
+            )
+        else:
+            if seed is None and type(root) is torch.Tensor and root.dtype.is_floating_point:
+                # What this backward() makes on its own, kept for the next ones.
+                self.one = seed = torch.ones((), dtype=root.dtype, device=root.device)
+            root.backward(unit)  # type: ignore[no-untyped-call]
+        if plain and direct and not divided and seed is not None:
+            self.seed, self.seed_dtype = seed, dtype
+            if seed is self.one:
+                self.one_for = dtype
 
-    def backward(self, root: torch.Tensor, gradient: torch.Tensor | None) -> None:
-        """Back-propagate ``root`` with ``gradient`` by ``root.backward``, where the kept
-        gradients do not fit: a subclass (a DTensor), a ``__torch_function__`` mode, a
-        loss torch refuses, or the first microstep.
-
-        Where torch would make the gradient itself (a plain real tensor's ones,
-        ``ones_like``) they are made once (``one``, in ``root``'s dtype on its device) and
-        kept until the dtype or the device changes or something writes to them in place,
-        so that the next microsteps start the engine from them as
-        ``torch.autograd.backward`` does once it has checked its arguments: the same
-        gradients bit for bit, without torch's Python checks and its ``ones_like`` on
-        every microstep (on a GPU, a kernel launch)."""
-        if gradient is None and type(root) is torch.Tensor and root.dtype.is_floating_point:
-            self.one = torch.ones((), dtype=root.dtype, device=root.device)
-        root.backward(gradient)  # type: ignore[no-untyped-call]
+    def open(self, loss: torch.Tensor, by_items: bool) -> torch.Tensor | None:
+        """The window's first microstep fixes its mode and divisor; return the seed its
+        microsteps start from, kept from an earlier window of the same kind (the unit of
+        the same divisor, or the ones) on the loss's device, or None (`backward` chooses)."""
+        window = self.window
+        window.open(by_items)
+        device = loss.get_device()  # (-1 on the CPU)
+        if device != self.seed_device:  # (the kept gradients are made on the loss's device)
+            self.unit = self.one = self.one_for = None
+            self.unit_divisor, self.seed_device = 0, device
+        if by_items or window.divisor == 1:
+            self.seed, self.seed_dtype = self.one, self.one_for
+        elif self.unit_divisor == window.divisor:
+            self.seed, self.seed_dtype = self.unit, self.unit_for
+        else:
+            self.seed = None
+        return self.seed
 
     def __enter__(self) -> Step:
         loss = self.loss
@@ -304,60 +376,39 @@ class Microstep:
             msg = "a microstep block was entered twice; call acc.microstep(loss) for each one"
             raise UsageError(msg)
         self.loss = None
-        window, num_items = self.window, self.num_items
+        window, grads, num_items = self.window, self.grads, self.num_items
         window.in_block = True
-        plan = self.plan
-        if plan.active:  # (a microstep outside the epoch uses no microbatch of it)
-            plan.pending = False
-        if not window.done:
-            window.open(num_items is not None)
-        elif self.watch:
-            grads = self.grads
-            param = grads.param
-            if (
-                param is not None
-                and (param.grad is not grads.grad or grads.grad._version != grads.version)  # type: ignore[union-attr]
-            ) or grads.rest:
-                change = grads.change()
-                if change is not None:
-                    _wiped_or_changed(self, change)
+        if self.plan.active:  # (a microstep outside the epoch uses no microbatch of it)
+            self.plan.pending = False
+        # The window's partial gradient, watched since the last backward (none before a
+        # window's first): a version-counter compare, and a look only when it moved.
+        param = grads.param
+        if param is not None and (
+            param.grad is not grads.grad
+            or grads.grad._version != grads.version  # type: ignore[union-attr]
+            or grads.rest
+        ):
+            change = grads.change()
+            if change is not None:
+                _wiped_or_changed(self, change)
         try:
             if self.look:
                 actual = self.strategy.overridden()
                 if actual is not None:
                     _warn_overridden(self.acc, actual)
-            if loss.get_device() != self.seed_device:  # (the seeds are made on its device)
-                self.unit = self.one = None
-                self.seed_device = loss.get_device()
-            divisor, unit = window.divisor, self.unit
-            if num_items is not None or divisor == 1:
-                scaled, gradient = loss, None
-            elif (
-                unit is not None
-                and self.unit_divisor == divisor
-                and unit.dtype is loss.dtype
-                and not unit._version
-                and type(loss) is torch.Tensor
-            ):
-                scaled, gradient = loss, unit
-            else:
-                scaled, gradient = self.scaled(loss, divisor)
-            scaler = self.scaler
-            root = scaled if scaler is None else scaler.scale(scaled)
-            one = self.one
+            seed = self.seed if window.done else self.open(loss, num_items is not None)
             if (
-                (
-                    gradient is not None
-                    or (one is not None and one.dtype is root.dtype and not one._version)
-                )
-                and type(root) is torch.Tensor
-                and not has_torch_function_unary(root)
+                seed is not None
+                and type(loss) is torch.Tensor
+                and loss.dtype is self.seed_dtype
+                and not seed._version
+                and not has_torch_function_unary(loss)
             ):
-                # What root.backward(gradient) runs once it has checked its arguments and
-                # made the ones it was not given (`backward`: kept in ``one``).
+                # What root.backward(seed) runs once it has checked its arguments.
+                scaler = self.scaler
                 _run_backward(
-                    (root,),
-                    (one if gradient is None else gradient,),
+                    (loss if scaler is None else scaler.scale(loss),),
+                    (seed,),
                     False,
                     False,
                     (),
@@ -365,22 +416,21 @@ class Microstep:
                     accumulate_grad=True,
                 )
             else:
-                self.backward(root, gradient)
-            window.losses.append(loss.detach())  # the value only: the graph is freed now
+                self.backward(loss, num_items)
+            # The value only, not the graph (freed now); `.data` is the loss's detached
+            # alias, made without a dispatch (`detach()` costs half again as much).
+            window.losses.append(loss.data)
             if num_items is not None:
                 window.items.append(num_items)
             if window.done != window.last:
-                if self.watch:
-                    grads = self.grads
-                    if not window.done:
-                        params = self.params
-                        grads.start(params.first, params.watched())
-                    elif grads.grad is not None:
-                        grads.version = grads.grad._version
-                        if grads.rest:
-                            grads.update()
+                if param is not None:
+                    grads.version = grads.grad._version  # type: ignore[union-attr]
+                    if grads.rest:
+                        grads.update()
+                elif self.watch:
+                    grads.start(self.params.first, self.params.watched())
                 return self.idle
-            self.step = step = prepare_boundary(self.acc)
+            self.step = step = self.boundary()
         except BaseException as error:
             window.in_block = False
             self.busy = self.stopped
@@ -407,7 +457,94 @@ class Microstep:
                 _note_unscaled_already(error)
             fail(self.acc, error)
         elif step is not None:
-            apply(self.acc, step)
+            self.apply(step)
+
+    def boundary(self) -> Step:
+        """Normalize, unscale, clip and check the window's gradient: the boundary's `Step`,
+        what its block sees. Only the fields that differ from `Step`'s defaults are set."""
+        window, params, ranks = self.window, self.params, self.ranks
+        listed = params.now()
+        losses = window.losses
+        step = Step()
+        step.boundary = True
+        step.global_step = self._acc()._global_step + 1
+        step._losses = losses
+        if window.by_items:
+            step._divisor, step._global = boundary.normalize(params, window, ranks)
+            step._by_items = True
+            step._alone = self.one_rank
+        else:
+            step._divisor = len(losses)
+            if window.divisor != window.size:  # an epoch that ended sooner than planned
+                boundary.rescale(params, window)
+            if self.global_mean:
+                step._global = boundary.global_mean(window, ranks)
+            if not self.mean_alone:  # (step.global_loss is None, or the ranks' mean)
+                step._alone = False
+        stepper = self.stepper
+        if self.scaler is not None:
+            stepper.unscale()
+        norm = None
+        if self.max_grad_norm is not None:
+            step.grad_norm = norm = boundary.clip(self.strategy, params, self.max_grad_norm)
+        step.lrs = stepper.learning_rates()
+        grads = self.grads
+        if grads.param is None:  # a window of one microstep, or a wrapping not watched before
+            grads.start(params.first, params.watched())
+        if self.finite and not boundary.all_finite(listed, norm, ranks):
+            if self.raises:
+                global_step = step.global_step
+                msg = (
+                    f"the gradient of window {global_step} (the optimizer step after "
+                    f"{global_step - 1}) holds inf or NaN; nothing was applied. Pass "
+                    "on_nonfinite='skip' to skip such windows, or find the microbatch "
+                    "whose loss is not finite"
+                )
+                raise NonFiniteError(msg, global_step)
+            step.skipped = True
+        return step
+
+    def apply(self, step: Step) -> None:
+        """Leaving the boundary's block: step (or skip) the window and count it; a failure in
+        the stepping counts the window only if the optimizers stepped; a window whose
+        gradient was dropped in the block is refused (`_dropped_in_block`)."""
+        acc = self._acc()
+        if not step.skipped and self.grads.dropped():
+            _dropped_in_block(acc, step)
+        stepper = self.stepper
+        try:
+            skipped = stepper.apply(step.skipped)
+        except BaseException as failure:
+            applied = stepper.applied
+            if applied:  # the optimizers stepped: the window counts, though it failed
+                stepper.clear()
+                self.close_window(acc, skipped=False)
+            fail(acc, failure, applied=applied)
+            raise
+        if skipped:
+            step.skipped = True
+        self.close_window(acc, skipped=skipped)
+
+    def close_window(self, acc: Accumulator, *, skipped: bool) -> None:
+        """Count the window that closed (applied or skipped; its gradient is cleared) and
+        start the next."""
+        if skipped:
+            acc._skipped += 1
+        acc._global_step += 1
+        self.plan.close_window(self.window.by_items)
+        self.next_window(acc)
+
+    def next_window(self, acc: Accumulator) -> None:
+        """The window closed or was dropped (its gradient cleared): the next one takes
+        ``steps`` microsteps, reports the steps completed so far, chooses its own seed and
+        is armed."""
+        self.grads.stop()
+        self.window.reset(acc._steps)
+        self.idle = idle = Step()
+        idle.global_step = acc._global_step
+        self.seed = None
+        if self.arms:
+            self.arm()
 
 
 def refuse(acc: Accumulator) -> NoReturn:
@@ -457,97 +594,11 @@ def check_items(window: Window, num_items: object) -> int | torch.Tensor | None:
     return kept
 
 
-def prepare_boundary(acc: Accumulator) -> Step:
-    """Normalize, unscale, clip and check the window's gradient: what the block sees."""
-    window, options, ranks, params = acc._window, acc._options, acc._ranks, acc._params
-    listed = params.now()
-    by_items = window.by_items
-    losses = window.losses
-    divisor: int | torch.Tensor = len(losses)
-    totals = None  # the window's loss over the ranks, for step.global_loss
-    if by_items:
-        divisor, totals = boundary.normalize(params, window, ranks)
-    else:
-        if window.divisor != window.size:  # an epoch that ended sooner than planned
-            boundary.rescale(params, window)
-        if options.global_loss and ranks.count > 1:
-            totals = boundary.global_mean(window, ranks)
-    stepper = acc._stepper
-    if stepper.scaler is not None:
-        stepper.unscale()
-    norm = None
-    if options.max_grad_norm is not None:
-        norm = boundary.clip(acc._block.strategy, params, options.max_grad_norm)
-    step = Step(
-        True,
-        acc._global_step + 1,
-        losses,
-        divisor,
-        by_items,
-        norm,
-        stepper.learning_rates(),
-        ranks.count == 1 and (by_items or options.global_loss),
-        totals,
-    )
-    grads = acc._grads
-    if grads.param is None:  # a window of one microstep, or a wrapping not watched before
-        grads.start(params.first, params.watched())
-    if options.check_finite and not boundary.all_finite(listed, norm, ranks):
-        if options.on_nonfinite == "raise":
-            msg = (
-                f"the gradient of window {step.global_step} (the optimizer step after "
-                f"{acc._global_step}) holds inf or NaN; nothing was applied. Pass "
-                "on_nonfinite='skip' to skip such windows, or find the microbatch "
-                "whose loss is not finite"
-            )
-            raise NonFiniteError(msg, step.global_step)
-        step.skipped = True
-    return step
-
-
-def apply(acc: Accumulator, step: Step) -> None:
-    """Leaving the boundary's block: step (or skip) the window and count it; a failure in
-    the stepping counts the window only if the optimizers stepped; a window whose
-    gradient was dropped in the block is refused (`_dropped_in_block`)."""
-    if not step.skipped and acc._grads.dropped():
-        _dropped_in_block(acc, step)
-    stepper = acc._stepper
-    try:
-        step.skipped = skipped = stepper.apply(step.skipped)
-    except BaseException as failure:
-        applied = stepper.applied
-        if applied:  # the optimizers stepped: the window counts, though it failed
-            stepper.clear()
-            close_window(acc, skipped=False)
-        fail(acc, failure, applied=applied)
-        raise
-    close_window(acc, skipped=skipped)
-
-
-def close_window(acc: Accumulator, *, skipped: bool) -> None:
-    """Count the window that closed (applied or skipped; its gradient is cleared) and start
-    the next."""
-    if skipped:
-        acc._skipped += 1
-    acc._global_step += 1
-    acc._plan.close_window(acc._window.by_items)
-    _next_window(acc)
-
-
 def clear_window(acc: Accumulator) -> None:
     """Drop the window: clear its gradient and state, so that the next microstep starts
     clean."""
     acc._stepper.clear()
-    _next_window(acc)
-
-
-def _next_window(acc: Accumulator) -> None:
-    acc._grads.stop()
-    acc._window.reset(acc._steps)
-    block = acc._block
-    block.idle = Step(False, acc._global_step)
-    if block.arms:
-        block.arm()
+    acc._block.next_window(acc)
 
 
 def fail(

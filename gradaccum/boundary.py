@@ -39,10 +39,11 @@ class Params:
     """The optimizers' parameters, cached until their groups change.
 
     Worked out when made; `now` checks the groups (each optimizer's list of them, by
-    identity and length: a few reads) and the first parameter of each device and dtype
-    (converted in place by ``model.to(...)``) and, when they changed, works out again the list,
+    identity and length: a few reads) and, when they changed, works out again the list,
     its order in the model, its grouping by device and dtype and where a wipe is watched;
-    `ordered`, `grads_by_kind` and `watched` read what `now` made.
+    `ordered` and `watched` read what `now` made, and `grads_by_kind` checks the first
+    parameter of each device and dtype first (converted in place by ``model.to(...)``),
+    only where a factor is multiplied in.
 
     Attributes:
         first: The one gradient that every wipe reaches, where there is one (one
@@ -90,15 +91,11 @@ class Params:
         one = self._one
         if one is not None:
             groups = one.param_groups
-            if groups is self._one_groups and len(groups) == self._one_count and self._kinds_hold():
+            if groups is self._one_groups and len(groups) == self._one_count:
                 return self._list
-        elif (
-            (seen := self._groups)
-            and all(
-                optimizer.param_groups is groups and len(groups) == length
-                for optimizer, (groups, length) in zip(self._optimizers, seen, strict=True)
-            )
-            and self._kinds_hold()
+        elif (seen := self._groups) and all(
+            optimizer.param_groups is groups and len(groups) == length
+            for optimizer, (groups, length) in zip(self._optimizers, seen, strict=True)
         ):
             return self._list
         self._work_out()
@@ -168,8 +165,11 @@ class Params:
     def grads_by_kind(
         self,
     ) -> list[tuple[torch.device, torch.dtype, list[torch.Tensor], torch.dtype, bool]]:
-        """The gradients there are, grouped by device and dtype (as of the last `now`), each
-        group with the dtype a factor is multiplied in and whether a Python scalar is."""
+        """The gradients there are, grouped by device and dtype (as of the last `now`, worked
+        out again where a conversion moved them), each group with the dtype a factor is
+        multiplied in and whether a Python scalar is."""
+        if not self._kinds_hold():
+            self._work_out()
         return [
             (
                 device,
@@ -209,13 +209,16 @@ def normalize(
     """
     local: int | torch.Tensor = sum(window.items, start=0)
     if ranks.count == 1:
-        if isinstance(local, torch.Tensor):
-            scale_grads(params, 1 / local.to(ranks.device, torch.float64))
+        # (isinstance(x, int), not (x, torch.Tensor): the Tensor metaclass's check is dear)
+        if isinstance(local, int):
+            if local == 0:
+                msg = (
+                    f"the {window.done + 1} microsteps of this window passed num_items summing to 0"
+                )
+                raise ConfigError(msg)
+            scale_grads(params, 1 / local)
             return local, None
-        if local == 0:
-            msg = f"the {window.done + 1} microsteps of this window passed num_items summing to 0"
-            raise ConfigError(msg)
-        scale_grads(params, 1 / local)
+        scale_grads(params, 1 / local.to(ranks.device, torch.float64))
         return local, None
     # A new tensor, summed over the ranks in place: `local` stays this rank's, for step.loss.
     totals = torch.stack(
@@ -282,7 +285,7 @@ def scale_grads(params: Params, factor: float | torch.Tensor) -> None:
     for device, _, grads, wide, plain in params.grads_by_kind():
         if not grads:
             continue
-        if isinstance(factor, torch.Tensor):
+        if not isinstance(factor, float):  # a tensor (read cheaply: a float as a rule)
             torch._foreach_mul_(grads, factor.to(device=device, dtype=wide))
         elif plain:
             torch._foreach_mul_(grads, factor)  # a Python scalar: multiplied in the dtype

@@ -37,12 +37,12 @@ class Step:
             when a GradScaler skipped the step.
     """
 
-    # No __slots__: the fields of a microstep off the boundary are these class defaults,
-    # so that the one `Step` each window hands its other microsteps costs one store.
+    # No __slots__ and no __init__: a Step is made bare (``Step()``, the C constructor) and
+    # given only the fields that differ from these class defaults, one store each, on the
+    # hot path: the one `Step` each window hands its other microsteps costs one store.
     boundary: bool = False
-    global_step: int
+    global_step: int = 0
     grad_norm: torch.Tensor | None = None
-    lr: float | torch.Tensor | None = None
     lrs: tuple[float | torch.Tensor | None, ...] = ()
     skipped: bool = False
     _losses: Sequence[torch.Tensor] = ()
@@ -52,31 +52,11 @@ class Step:
     _global: torch.Tensor | None = None
     _loss: torch.Tensor | None = None
 
-    def __init__(
-        self,
-        boundary: bool,
-        global_step: int,
-        losses: Sequence[torch.Tensor] = (),
-        divisor: int | torch.Tensor = 1,
-        by_items: bool = False,
-        grad_norm: torch.Tensor | None = None,
-        lrs: tuple[float | torch.Tensor | None, ...] = (),
-        alone: bool = True,
-        global_totals: torch.Tensor | None = None,
-    ) -> None:
-        # Positional, in this order: one is made per window, on the hot path.
-        self.global_step = global_step
-        if not boundary:
-            return
-        self.boundary = True
-        self.grad_norm = grad_norm
-        self.lrs = lrs
-        self.lr = lrs[0] if lrs else None
-        self._losses = losses
-        self._divisor = divisor
-        self._by_items = by_items
-        self._alone = alone
-        self._global = global_totals
+    @property
+    def lr(self) -> float | torch.Tensor | None:
+        """The learning rate of the first optimizer's first parameter group for this
+        update (``lrs[0]``); ``None`` off the boundary."""
+        return self.lrs[0] if self.lrs else None
 
     @property
     def loss(self) -> torch.Tensor | None:

@@ -61,9 +61,12 @@ class Stepper:
             getattr(optimizer, "_step_supports_amp_scaling", False) for optimizer in optimizers
         )
         self._unscaled = False
-        # [scheduler, its last_epoch after the accumulator's last step of it, or None]
+        # [scheduler, its last_epoch after the accumulator's last step of it, or None, and
+        # whether that is its own int attribute (torch's schedulers), read as such]
         self._scheduled: list[list[Any]] = [
-            [scheduler, _last_epoch(scheduler)] for scheduler in schedulers if scheduler is not None
+            [scheduler, _last_epoch(scheduler), type(getattr(scheduler, "last_epoch", None)) is int]
+            for scheduler in schedulers
+            if scheduler is not None
         ]
         self._told_stepped = False  # a schedule stepped by hand is said once, not every window
         self._hooks = [
@@ -88,11 +91,11 @@ class Stepper:
     def learning_rates(self) -> tuple[float | torch.Tensor | None, ...]:
         """Each optimizer's learning rate as it is now (`learning_rate`), in order."""
         optimizers = self.optimizers
-        return (
-            (learning_rate(optimizers[0]),)
-            if len(optimizers) == 1
-            else tuple(map(learning_rate, optimizers))
-        )
+        if len(optimizers) == 1:  # (one optimizer with a float lr, as a rule: read inline)
+            groups = optimizers[0].param_groups
+            lr = groups[0].get("lr") if groups else None
+            return (lr if type(lr) is float else learning_rate(optimizers[0]),)
+        return tuple(map(learning_rate, optimizers))
 
     def apply(self, skip: bool) -> bool:
         """Step every optimizer (through the scaler), then every scheduler, and clear the
@@ -120,16 +123,14 @@ class Stepper:
             if not skip:
                 self.applied = True
                 for record in self._scheduled:
-                    scheduler, last = record
-                    if (
-                        last is not None
-                        and (now := _last_epoch(scheduler)) != last
-                        and not self._told_stepped
-                    ):
-                        self._told_stepped = True
-                        _warn_stepped(last, now)
+                    scheduler, last, plain = record
+                    if last is not None and not self._told_stepped:
+                        now = scheduler.last_epoch if plain else _last_epoch(scheduler)
+                        if now != last:
+                            self._told_stepped = True
+                            _warn_stepped(last, now)
                     scheduler.step()
-                    record[1] = _last_epoch(scheduler)
+                    record[1] = scheduler.last_epoch if plain else _last_epoch(scheduler)
         finally:
             self._stepping = False
         self.clear()
@@ -225,6 +226,8 @@ def learning_rate(optimizer: torch.optim.Optimizer) -> float | torch.Tensor | No
     """The first parameter group's learning rate as it is now: a copy when it is a tensor
     (which the scheduler changes in place), None when the group has no ``"lr"``."""
     lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
+    if type(lr) is float:  # (as a rule: no isinstance, which costs a Tensor's metaclass check)
+        return lr
     return lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
 
 
