@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -448,6 +449,11 @@ def test_a_loss_that_is_not_a_plain_real_tensor_is_divided_as_before() -> None:
     )
     with pytest.raises(RuntimeError, match="real scalar outputs"), acc.microstep(loss):
         pass
+    # Mid-window too, where the window's kept gradient (a real one) would start it.
+    with acc.microstep(mean_loss(model, make_batches([2], seed=5)[0])):
+        pass
+    with pytest.raises(RuntimeError, match="real scalar outputs"), acc.microstep(loss):
+        pass
 
     divided: list[str] = []
 
@@ -567,3 +573,85 @@ def test_a_torch_function_mode_sees_each_microsteps_backward() -> None:
         assert seen.count("backward") == 2
         seen.clear()
     assert acc.global_step == 2
+
+
+class _Marked(torch.Tensor):
+    """A loss subclass that its ``__torch_function__`` lets through unchanged."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_each_window_chooses_the_gradient_its_microsteps_start_from() -> None:
+    """The gradient a window's microsteps start from is chosen when the window opens, and
+    any microstep it does not fit back-propagates as the hand loop's: windows of mean and
+    summed losses in turn, ``steps`` 4 then 3 (another divisor), and inside windows a loss
+    of another dtype, a tensor subclass and a ``__torch_function__`` mode, each on one
+    microstep; the parameters and the momentum equal the hand loop's bit for bit."""
+    from torch.overrides import TorchFunctionMode
+
+    class Passing(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            return func(*args, **(kwargs or {}))
+
+    # (steps, items, what the window's microstep at index 1 is turned into)
+    windows = [(4, False, None), (4, True, "float32"), (3, False, "subclass"), (3, True, None)]
+    windows += [(4, False, "mode"), (3, False, "float32"), (4, True, "mode"), (4, False, None)]
+    batches = make_batches([3, 2, 4, 3] * 8)
+    runs = []
+    for use_acc in (False, True):
+        model = make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        acc = gradaccum.Accumulator(model, optimizer) if use_acc else None
+        drawn = iter(batches)
+        for steps, items, odd in windows:
+            if acc is not None:
+                acc.steps = steps
+            total = 0
+            for index in range(steps):
+                inputs, targets = next(drawn)
+                loss = (sum_loss if items else mean_loss)(model, (inputs, targets))
+                turned = odd if index == 1 else None
+                if turned == "float32":
+                    loss = loss.float()
+                elif turned == "subclass":
+                    loss = loss.as_subclass(_Marked)
+                mode = Passing() if turned == "mode" else contextlib.nullcontext()
+                with mode:
+                    if acc is not None:
+                        with acc.microstep(loss, len(inputs) if items else None):
+                            pass
+                    else:
+                        (loss if items else loss / steps).backward()
+                total += len(inputs)
+            if acc is None:
+                if items:
+                    torch._foreach_mul_([p.grad for p in model.parameters()], 1 / total)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        runs.append((model, optimizer))
+    (hand, hand_opt), (accumulated, acc_opt) = runs
+    for p, q in zip(hand.parameters(), accumulated.parameters(), strict=True):
+        assert torch.equal(p, q)
+        assert torch.equal(
+            hand_opt.state[p]["momentum_buffer"], acc_opt.state[q]["momentum_buffer"]
+        )
+
+
+def test_the_kept_losses_are_values_without_a_graph() -> None:
+    """What a window keeps of each loss is its value (``step.loss`` is their mean), not
+    its graph: no kept loss requires grad or has a ``grad_fn``."""
+    model = make_model()
+    acc = gradaccum.Accumulator(model, sgd(model), steps=3)
+    losses = []
+    for batch in acc.epoch(make_batches([2, 3, 4])):
+        loss = mean_loss(model, batch)
+        losses.append(loss.item())
+        with acc.microstep(loss) as step:
+            if step.boundary:
+                kept = list(step._losses)
+                reported = step.loss
+    assert [value.item() for value in kept] == losses
+    assert not any(value.requires_grad or value.grad_fn is not None for value in kept)
+    assert reported.item() == pytest.approx(sum(losses) / 3, rel=1e-15)
