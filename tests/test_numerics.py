@@ -353,6 +353,17 @@ def hand_scaled_loop(model, optimizer, scaler, batches, steps: int) -> None:
             step_by_hand(optimizer, scaler)
 
 
+def assert_same_bits(runs: list[tuple[torch.nn.Module, torch.optim.Optimizer]]) -> None:
+    """The hand loop's run and the accumulator's (in that order) hold the same parameters
+    and SGD momentum, bit for bit."""
+    (hand, hand_opt), (accumulated, acc_opt) = runs
+    for p, q in zip(hand.parameters(), accumulated.parameters(), strict=True):
+        assert torch.equal(p, q)
+        assert torch.equal(
+            hand_opt.state[p]["momentum_buffer"], acc_opt.state[q]["momentum_buffer"]
+        )
+
+
 def assert_bitwise_the_hand_loop(
     batches, dtype: torch.dtype, init_scale: float | None, steps: int, *, items: bool
 ) -> None:
@@ -374,12 +385,7 @@ def assert_bitwise_the_hand_loop(
                 model, optimizer, scaler, batches, steps
             )
         runs.append((model, optimizer))
-    (hand, hand_opt), (accumulated, acc_opt) = runs
-    for p, q in zip(hand.parameters(), accumulated.parameters(), strict=True):
-        assert torch.equal(p, q)
-        assert torch.equal(
-            hand_opt.state[p]["momentum_buffer"], acc_opt.state[q]["momentum_buffer"]
-        )
+    assert_same_bits(runs)
 
 
 @pytest.mark.parametrize("steps", [3, 4])
@@ -631,12 +637,7 @@ def test_each_window_chooses_the_gradient_its_microsteps_start_from() -> None:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
         runs.append((model, optimizer))
-    (hand, hand_opt), (accumulated, acc_opt) = runs
-    for p, q in zip(hand.parameters(), accumulated.parameters(), strict=True):
-        assert torch.equal(p, q)
-        assert torch.equal(
-            hand_opt.state[p]["momentum_buffer"], acc_opt.state[q]["momentum_buffer"]
-        )
+    assert_same_bits(runs)
 
 
 def test_the_kept_losses_are_values_without_a_graph() -> None:
