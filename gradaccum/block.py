@@ -344,8 +344,10 @@ class Microstep:
             )
         else:
             if seed is None and type(root) is torch.Tensor and root.dtype.is_floating_point:
-                # What this backward() makes on its own, kept for the next ones.
+                # What this backward() makes on its own, kept for the next ones (the
+                # seed of ``loss``'s dtype below, unless root is ``loss`` divided).
                 self.one = seed = torch.ones((), dtype=root.dtype, device=root.device)
+                self.one_for = None
             root.backward(unit)  # type: ignore[no-untyped-call]
         if plain and direct and not divided and seed is not None:
             self.seed, self.seed_dtype = seed, dtype
