@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import gradaccum
@@ -589,40 +589,76 @@ class _Marked(torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs or {})
 
 
-def test_each_window_chooses_the_gradient_its_microsteps_start_from() -> None:
+_TURNS = (None, "float32", "subclass", "mode", "hook")
+# (steps, items, what each microstep of the window is turned into: a loss of another
+# dtype, a tensor subclass, a ``__torch_function__`` mode, a hook that writes to the
+# loss's gradient in place, or nothing)
+_windows = st.lists(
+    st.integers(1, 5).flatmap(
+        lambda steps: st.tuples(
+            st.just(steps),
+            st.booleans(),
+            st.lists(st.sampled_from(_TURNS), min_size=steps, max_size=steps),
+        )
+    ),
+    min_size=1,
+    max_size=6,
+)
+_ONE_AT_1 = [None, "float32", None, None]  # the window's microstep at index 1 turned
+
+
+@settings(max_examples=40, deadline=None)
+@given(windows=_windows, seed=strategies.seeds)
+@example(
+    windows=[
+        (4, False, [None] * 4),
+        (4, True, _ONE_AT_1),
+        (3, False, [None, "subclass", None]),
+        (3, True, [None] * 3),
+        (4, False, [None, "mode", None, None]),
+        (3, False, _ONE_AT_1[:3]),
+        (4, True, [None, "mode", None, None]),
+        (4, False, [None, None, "hook", None]),
+    ],
+    seed=0,
+)
+def test_each_window_chooses_the_gradient_its_microsteps_start_from(
+    windows: list[tuple[int, bool, list[str | None]]], seed: int
+) -> None:
     """The gradient a window's microsteps start from is chosen when the window opens, and
     any microstep it does not fit back-propagates as the hand loop's: windows of mean and
-    summed losses in turn, ``steps`` 4 then 3 (another divisor), and inside windows a loss
-    of another dtype, a tensor subclass and a ``__torch_function__`` mode, each on one
-    microstep; the parameters and the momentum equal the hand loop's bit for bit."""
+    summed losses in any order, each with its own ``steps`` (another divisor), and on any
+    microstep a loss of another dtype, a tensor subclass, a ``__torch_function__`` mode or
+    a hook that scales the loss's gradient in place; the parameters and the momentum equal
+    the hand loop's bit for bit."""
     from torch.overrides import TorchFunctionMode
 
     class Passing(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             return func(*args, **(kwargs or {}))
 
-    # (steps, items, what the window's microstep at index 1 is turned into)
-    windows = [(4, False, None), (4, True, "float32"), (3, False, "subclass"), (3, True, None)]
-    windows += [(4, False, "mode"), (3, False, "float32"), (4, True, "mode"), (4, False, None)]
-    batches = make_batches([3, 2, 4, 3] * 8)
+    generator = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(1, 5, (sum(steps for steps, _, _ in windows),), generator=generator)
+    batches = make_batches(sizes.tolist(), seed=seed)
     runs = []
     for use_acc in (False, True):
         model = make_model()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         acc = gradaccum.Accumulator(model, optimizer) if use_acc else None
         drawn = iter(batches)
-        for steps, items, odd in windows:
+        for steps, items, turns in windows:
             if acc is not None:
                 acc.steps = steps
             total = 0
-            for index in range(steps):
+            for turned in turns:
                 inputs, targets = next(drawn)
                 loss = (sum_loss if items else mean_loss)(model, (inputs, targets))
-                turned = odd if index == 1 else None
                 if turned == "float32":
                     loss = loss.float()
                 elif turned == "subclass":
                     loss = loss.as_subclass(_Marked)
+                elif turned == "hook":
+                    loss.register_hook(lambda gradient: gradient.mul_(3))
                 mode = Passing() if turned == "mode" else contextlib.nullcontext()
                 with mode:
                     if acc is not None:
