@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -62,9 +63,9 @@ class Stepper:
         )
         self._unscaled = False
         # [scheduler, its last_epoch after the accumulator's last step of it, or None, and
-        # whether that is its own int attribute (torch's schedulers), read as such]
+        # how to read it: as an attribute where it is its own int (torch's schedulers)]
         self._scheduled: list[list[Any]] = [
-            [scheduler, _last_epoch(scheduler), type(getattr(scheduler, "last_epoch", None)) is int]
+            [scheduler, _last_epoch(scheduler), _reader(scheduler)]
             for scheduler in schedulers
             if scheduler is not None
         ]
@@ -91,11 +92,11 @@ class Stepper:
     def learning_rates(self) -> tuple[float | torch.Tensor | None, ...]:
         """Each optimizer's learning rate as it is now (`learning_rate`), in order."""
         optimizers = self.optimizers
-        if len(optimizers) == 1:  # (one optimizer with a float lr, as a rule: read inline)
-            groups = optimizers[0].param_groups
-            lr = groups[0].get("lr") if groups else None
-            return (lr if type(lr) is float else learning_rate(optimizers[0]),)
-        return tuple(map(learning_rate, optimizers))
+        return (
+            (learning_rate(optimizers[0]),)
+            if len(optimizers) == 1
+            else tuple(map(learning_rate, optimizers))
+        )
 
     def apply(self, skip: bool) -> bool:
         """Step every optimizer (through the scaler), then every scheduler, and clear the
@@ -123,14 +124,14 @@ class Stepper:
             if not skip:
                 self.applied = True
                 for record in self._scheduled:
-                    scheduler, last, plain = record
+                    scheduler, last, read = record
                     if last is not None and not self._told_stepped:
-                        now = scheduler.last_epoch if plain else _last_epoch(scheduler)
+                        now = read(scheduler)
                         if now != last:
                             self._told_stepped = True
                             _warn_stepped(last, now)
                     scheduler.step()
-                    record[1] = scheduler.last_epoch if plain else _last_epoch(scheduler)
+                    record[1] = read(scheduler)
         finally:
             self._stepping = False
         self.clear()
@@ -241,6 +242,16 @@ def _has_grad(optimizer: torch.optim.Optimizer) -> bool:
 def _is_zero(lr: object) -> bool:
     """A learning rate of 0 (a float or a tensor; read only on a step taken by hand)."""
     return isinstance(lr, (int, float, torch.Tensor)) and float(lr) == 0
+
+
+def _reader(scheduler: Any) -> Callable[[Any], int | None]:
+    """How to read ``scheduler``'s `_last_epoch` on each window: its attribute, read in C,
+    where it is its own int (torch's schedulers), else `_last_epoch`."""
+    return (
+        attrgetter("last_epoch")
+        if type(getattr(scheduler, "last_epoch", None)) is int
+        else _last_epoch
+    )
 
 
 def _last_epoch(scheduler: Any) -> int | None:
