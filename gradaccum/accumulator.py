@@ -1,16 +1,13 @@
 """`Accumulator`: the facade that turns N microbatches into one optimizer step.
 
-It holds a few parts, each owning its own state, and delegates to the modules that work
-on them: the open `Window` and the `Lifecycle` (window.py), the `EpochPlan` (plan.py)
-that epochs.py hands out by, the microstep block (block.py), the boundary's tensor work
-and its cached parameters (boundary.py), the `Stepper` (stepping.py), the checkpoint
-record (record.py, saved and loaded by checkpoint.py), the `Ranks` (ranks.py), the sync
-strategy (sync.py) and the hook on the model (hooks.py).
+It validates its arguments, makes the block (`gradaccum.block.Microstep`) with the parts
+it needs (the optimizers' parameters, the ranks, the options), and delegates: the block
+makes and owns the window's own parts, the epoch hand-out (epochs.py) and the checkpoint
+(checkpoint.py) work on them. See CONTRIBUTING.md, "Inside the accumulator".
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -18,15 +15,14 @@ import torch
 from torch import nn
 from typing_extensions import Self
 
-from gradaccum import block, boundary, checkpoint, checks, epochs, misuse, stepping
+from gradaccum import block, boundary, checkpoint, checks, epochs
 from gradaccum.checks import NonFinitePolicy
 from gradaccum.errors import ConfigTypeError, UsageError, describe, warn
-from gradaccum.plan import EpochPlan
 from gradaccum.ranks import Ranks
 from gradaccum.schedule import check_steps
 from gradaccum.step import Step
 from gradaccum.sync import SyncPolicy, SyncStrategy, strategy_for
-from gradaccum.window import Lifecycle, Window
+from gradaccum.window import Window
 
 __all__ = ["Accumulator", "Step"]
 
@@ -134,39 +130,33 @@ class Accumulator:
             global_loss=global_loss,
             optimizers=len(parts.optimizers),
         )
-        previous = _owners_between_windows(parts.optimizers)
         self.model = model
         strategy = self._strategy_for(steps)
-        driver = block.driver_of(strategy)
-        if driver is not None and not any(driver is seen for seen in previous):
-            _refuse_open_window(driver, "model's gradient sync (its DDP or FSDP)", "model")
-            previous.append(driver)
+        previous = block.owners_of(parts.optimizers)
+        for owner in previous:
+            _refuse_open_window(owner.window, "optimizer", "optimizer")
+        for owner in block.owners_of(strategy.wrappers):
+            if not any(owner is seen for seen in previous):
+                _refuse_open_window(
+                    owner.window, "model's gradient sync (its DDP or FSDP)", "model"
+                )
+                previous.append(owner)
         # Everything is validated: from here on the accumulator changes state.
         _take_over(previous)
         self.optimizer, self.scheduler = optimizer, scheduler
         self.optimizers, self.schedulers = parts.optimizers, parts.schedulers
-        self._steps = steps
-        self._ranks = Ranks(strategy.group, parts.params[0].device)
-        self._params = boundary.Params(parts.optimizers, model)
-        self._window = Window(steps)
-        self._plan = EpochPlan(self._options.drop_last)
-        self._grads = misuse.GradWatch()
         for each in parts.optimizers:
             each.zero_grad(set_to_none=True)
-        self._stepper = stepping.Stepper(
-            self, parts.optimizers, parts.schedulers, scaler, self._window.where_open
+        self._block = block.Microstep(
+            self,
+            model,
+            strategy,
+            steps,
+            schedulers=parts.schedulers,
+            params=boundary.Params(parts.optimizers, model),
+            ranks=Ranks(strategy.group, parts.params[0].device),
+            options=self._options,
         )
-        self._block = block.Microstep(self)
-        self._life = Lifecycle(stopped=self._block.stop)
-        self._global_step = self._skipped = 0
-        self._block.use(strategy)
-        self._block.watch_model()
-        self._block.arm()
-        # Given back once: by close(), or where the loop drops the accumulator unclosed
-        # (it is freed at once: its block holds it weakly), so that a dead accumulator's
-        # hooks refuse no later step and DDP is not left deferring its all-reduce.
-        self._release = weakref.finalize(self, _give_back, self._stepper, self._block)
-        self._release.atexit = False
 
     def _strategy_for(self, steps: int) -> SyncStrategy:
         # With steps=1 every microstep is a boundary: nothing is ever deferred.
@@ -192,57 +182,49 @@ class Accumulator:
             ConfigError: The wrapping cannot be accumulated over with the value (a
                 strategy made for it refused it; nothing has changed).
         """
-        return self._steps
+        return self._block.counts.steps
 
     @steps.setter
     def steps(self, value: int) -> None:
         steps = check_steps(value)
-        self._life.check("steps was set; it")
-        if steps == self._steps:  # (a loop that sets it at every microbatch, unchanged)
+        started = self._block
+        started.life.check("steps was set; it")
+        now = started.counts.steps
+        if steps == now:  # (a loop that sets it at every microbatch, unchanged)
             return
-        window = self._window
-        if window.is_open:
-            msg = (
-                f"steps was set to {steps} mid-window ({window.progress()}); set it after "
-                "the `with` block of the window's last microstep has exited"
-            )
-            raise UsageError(msg)
-        if (steps == 1) is not (self._steps == 1):  # the policy becomes, or stops being, "every"
-            strategy = self._strategy_for(steps)  # may refuse: then nothing has changed
-            self._block.strategy.restore()
-            self._block.use(strategy)
-        self._steps = steps
-        self._plan.recut(steps)
-        window.reset(self._plan.next_window_size(steps))
-        self._block.arm()
+        strategy = None
+        if (steps == 1) is not (now == 1) and not started.window.is_open:
+            # The policy becomes, or stops being, "every": may refuse, changing nothing.
+            strategy = self._strategy_for(steps)
+        started.set_steps(steps, strategy)
 
     @property
     def global_step(self) -> int:
         """Windows completed: optimizer steps taken, plus the skipped ones."""
-        return self._global_step
+        return self._block.counts.global_step
 
     @property
     def skipped_steps(self) -> int:
         """Windows completed without an optimizer step: their gradient held inf/NaN (under
         ``on_nonfinite="skip"``, or found by the GradScaler)."""
-        return self._skipped
+        return self._block.counts.skipped
 
     @property
     def position(self) -> int:
         """Microbatches of the current epoch handed out by `epoch`; after `load_state_dict`,
         the microbatches the next `epoch` skips because they were trained on already."""
-        return self._plan.position
+        return self._block.plan.position
 
     @property
     def epochs_completed(self) -> int:
         """Epochs that `epoch` ran to their end, saved in `state_dict`: the epoch to resume
         is ``epochs_completed``, also when a checkpoint fell on an epoch's last window."""
-        return self._plan.epochs_completed
+        return self._block.plan.epochs_completed
 
     @property
     def sync_gradients(self) -> bool:
         """True from before the window's last microbatch is handed out until its block exits."""
-        return self._window.next_is_boundary
+        return self._block.window.next_is_boundary
 
     # Microsteps -------------------------------------------------------------------
 
@@ -273,14 +255,14 @@ class Accumulator:
         started = self._block
         # One cheap condition each on the hot path; messages are built on failure.
         if started.busy:
-            block.refuse(self)
+            started.refuse()
         try:  # (free when it holds; a non-tensor fails on the attribute)
             usable = loss.ndim == 0 and loss.requires_grad
         except AttributeError:
             usable = False
         if not usable:
             checks.refuse_loss(loss)
-        window = self._window
+        window = started.window
         if (num_items is not None or window.by_items) and not (
             type(num_items) is int and num_items >= 0 and (window.by_items or not window.done)
         ):  # (an int count in an item window needs no more)
@@ -327,11 +309,11 @@ class Accumulator:
             UsageError: The accumulator is closed, or another of its epochs is still
                 being iterated (raised by the first ``next()``).
         """
-        self._life.check("epoch()")
+        self._block.life.check("epoch()")
         if not (isinstance(iterable, Iterable) or hasattr(type(iterable), "__getitem__")):
             msg = f"iterable must be an iterable of microbatches, got {describe(iterable)}"
             raise ConfigTypeError(msg)
-        return epochs.run(self, iterable)
+        return epochs.run(self._block, iterable)
 
     # Checkpoints ------------------------------------------------------------------
 
@@ -361,8 +343,13 @@ class Accumulator:
                 open, the wrapping keeps the partial gradient outside ``param.grad``, or the
                 epoch's iterable restores its own position and has handed out microbatches
                 not trained on (at the top of the loop body).
+
+        Warns:
+            GradaccumWarning: A run resumed from this state would be refused at its first
+                epoch by an iterable like this epoch's (a DataLoader with persistent
+                workers whose order is drawn from the generator of their seed).
         """
-        return checkpoint.save(self, include_grads)
+        return checkpoint.save(self._block, include_grads)
 
     def load_state_dict(
         self,
@@ -414,16 +401,17 @@ class Accumulator:
             UsageError: The accumulator is closed, a window is open in it, or one of its
                 epochs is being iterated.
         """
-        checkpoint.load(self, state, allow_steps_change, allow_world_size_change)
+        checkpoint.load(self._block, state, allow_steps_change, allow_world_size_change)
 
     # Lifetime ---------------------------------------------------------------------
 
     def close(self) -> None:
         """Remove the optimizers' hooks and the model's, and restore any sync state set on
         the model: it is as it was. Refused (`UsageError`) inside a microstep's block."""
-        block.refuse_close(self._window)
-        self._life.close()
-        self._release()  # (once: a later call gives back nothing)
+        started = self._block
+        started.check_closable()
+        started.life.close()
+        started.release()  # (once: a later call gives back nothing)
 
     def __enter__(self) -> Self:
         return self
@@ -434,61 +422,37 @@ class Accumulator:
     def __repr__(self) -> str:
         names = ", ".join(type(optimizer).__name__ for optimizer in self.optimizers)
         several = f"optimizers=({names}), " if len(self.optimizers) > 1 else ""
+        window, counts = self._block.window, self._block.counts
         return (
-            f"Accumulator({several}steps={self._steps}, global_step={self._global_step}, "
-            f"window={self._window.done}/{self._window.size})"
+            f"Accumulator({several}steps={counts.steps}, global_step={counts.global_step}, "
+            f"window={window.done}/{window.size})"
         )
 
 
-def _give_back(stepper: stepping.Stepper, started: block.Microstep) -> None:
-    """What an accumulator gives back when it is closed or freed: the optimizers' hooks,
-    and the model's sync state and hook."""
-    stepper.release()
-    started.release()
-
-
-def _owners_between_windows(
-    optimizers: Sequence[torch.optim.Optimizer],
-) -> list[Accumulator]:
-    """The open accumulators that own any of ``optimizers``, to be taken over.
-
-    Raises:
-        UsageError: One's window is open: taking over would lose that window.
-    """
-    previous: list[Accumulator] = []
-    for optimizer in optimizers:
-        owner: Accumulator | None = stepping.owner_of(optimizer)
-        if owner is None or any(owner is seen for seen in previous):
-            continue
-        _refuse_open_window(owner, "optimizer", "optimizer")
-        previous.append(owner)
-    return previous
-
-
-def _refuse_open_window(owner: Accumulator, what: str, other: str) -> None:
-    """Refuse to take ``what`` over from ``owner`` while its window is open (or pass
+def _refuse_open_window(window: Window, what: str, other: str) -> None:
+    """Refuse to take ``what`` over from an accumulator whose ``window`` is open (or pass
     another ``other``).
 
     Raises:
         UsageError: Taking over would lose that window.
     """
-    if owner._window.is_open:
+    if window.is_open:
         msg = (
             f"the {what} is owned by another open Accumulator, whose window is open "
-            f"({owner._window.where()}); finish that window and close() it, or pass "
+            f"({window.where()}); finish that window and close() it, or pass "
             f"another {other}"
         )
         raise UsageError(msg)
 
 
-def _take_over(previous: list[Accumulator]) -> None:
+def _take_over(previous: list[block.Microstep]) -> None:
     """Close the accumulators whose optimizers, or whose model's gradient sync, a newer
     one takes, and say so: one accumulator at a time steps an optimizer and sets a
     wrapper's sync (two at once over one DDP model would each arm it for their own
     windows, and the ranks drift apart)."""
     for owner in previous:
-        owner._life.close(" (a newer Accumulator took over its optimizer or its model)")
-        owner.close()
+        owner.life.close(" (a newer Accumulator took over its optimizer or its model)")
+        owner.release()
         warn(
             "this Accumulator closed the previous Accumulator on the same optimizer or the "
             "same DDP or FSDP model (it was between windows), and steps the optimizer and "

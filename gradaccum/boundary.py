@@ -2,17 +2,17 @@
 stepper's unscale) clip and check, over every optimizer's parameters. No host sync unless
 the check is asked for.
 
-The parameters, their order in the model and their grouping by device and dtype are
-worked out once (`Params`) and again only when the optimizers' groups change
-(``optimizer.add_param_group``, a new group list from ``load_state_dict``), so
-that a boundary costs no Python work per parameter beyond the optimizer's own; parameters
-added between windows are treated like the others.
+The parameters, each once, and their order in the model are kept (`Params`) and worked
+out again whenever any optimizer's parameter lists are not those they were worked out
+from, so a boundary costs no Python work per parameter beyond a compare by identity.
+Nothing that a conversion changes (a parameter's dtype or device) is kept: a factor is
+multiplied in by the gradients' kinds as they are at that boundary.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from operator import is_
 
 import torch
 from torch import nn
@@ -36,109 +36,52 @@ __all__ = [
 
 
 class Params:
-    """The optimizers' parameters, cached until their groups change.
+    """The optimizers' parameters, each once, in order; kept while their lists hold.
 
-    Worked out when made; `now` checks the groups (each optimizer's list of them, by
-    identity and length: a few reads) and, when they changed, works out again the list,
-    its order in the model, its grouping by device and dtype and where a wipe is watched;
-    `ordered` and `watched` read what `now` made, and `grads_by_kind` checks the first
-    parameter of each device and dtype first (converted in place by ``model.to(...)``),
-    only where a factor is multiplied in.
+    The key is every optimizer's parameter groups' lists, compared element by element by
+    identity on each `now`: a group added, removed or swapped, ``group["params"]``
+    replaced or edited in place, a new group list from ``load_state_dict``, each rebuilds.
+    `ordered`, `watched` and `first` are worked out with it and read as of the last `now`.
 
     Attributes:
-        first: The one gradient that every wipe reaches, where there is one (one
-            optimizer, whose first parameter is the model's first): the window's watch
-            reads only it (`gradaccum.misuse.GradWatch`); else None.
+        optimizers: The optimizers, in order.
     """
 
-    __slots__ = (
-        "_by_kind",
-        "_groups",
-        "_kinds",
-        "_list",
-        "_model",
-        "_one",
-        "_one_count",
-        "_one_groups",
-        "_optimizers",
-        "_ordered",
-        "_watched",
-        "first",
-    )
+    __slots__ = ("_first", "_key", "_list", "_model", "_ordered", "_watched", "optimizers")
 
     def __init__(self, optimizers: tuple[torch.optim.Optimizer, ...], model: nn.Module) -> None:
-        self._optimizers = optimizers
+        self.optimizers = optimizers
         self._model = model
-        self._one = optimizers[0] if len(optimizers) == 1 else None
-        self._one_groups: list[dict[str, Any]] | None = None
-        self._one_count = 0
-        # Set by `_work_out`, here and whenever the groups change:
-        self._groups: list[tuple[list[dict[str, Any]], int]]
+        self._key: list[list[torch.Tensor]] = []
+        # Set by `_work_out`, here and whenever the key changes:
         self._list: list[torch.Tensor]
         self._ordered: list[torch.Tensor]
-        # (device, dtype, parameters, the dtype a factor is multiplied in, and whether a
-        # Python scalar factor is multiplied in the gradient's own dtype)
-        self._by_kind: list[tuple[torch.device, torch.dtype, list[torch.Tensor], torch.dtype, bool]]
-        self._kinds: list[tuple[torch.Tensor, torch.dtype, int]]  # each kind's first, as made
         self._watched: list[list[torch.Tensor]]
-        self.first: torch.Tensor | None
+        self._first: torch.Tensor | None
         self._work_out()
 
     def now(self) -> list[torch.Tensor]:
         """Every optimizer's parameters as they are now, each once, in order."""
-        # An optimizer's groups change by add_param_group (one more) or a new list
-        # (load_state_dict): the list's identity and length tell.
-        one = self._one
-        if one is not None:
-            groups = one.param_groups
-            if groups is self._one_groups and len(groups) == self._one_count:
-                return self._list
-        elif (seen := self._groups) and all(
-            optimizer.param_groups is groups and len(groups) == length
-            for optimizer, (groups, length) in zip(self._optimizers, seen, strict=True)
-        ):
-            return self._list
-        self._work_out()
+        if not self._holds():
+            self._work_out()
         return self._list
 
-    def _kinds_hold(self) -> bool:
-        """The grouping by device and dtype still holds: ``model.to(torch.float64)``,
-        ``.half()`` or ``.to(device)`` between windows converts the parameters in place
-        (the same objects, in the same groups), and the first of each group tells. A
-        conversion of some parameters only, none of them first in its group, is not seen:
-        their factor is then multiplied in the dtype worked out before. The device is
-        read as its index (``get_device()``, -1 on the CPU): making a ``torch.device`` at
-        each boundary would cost more than the rest of `now`."""
-        for first, dtype, index in self._kinds:
-            if first.dtype is not dtype or first.get_device() != index:
-                return False
-        return True
+    def _holds(self) -> bool:
+        key = iter(self._key)
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                params, kept = group["params"], next(key, None)
+                if kept is None or len(params) != len(kept) or not all(map(is_, params, kept)):
+                    return False
+        return next(key, None) is None
 
     def _work_out(self) -> None:
-        optimizers = self._optimizers
-        self._groups = [
-            (optimizer.param_groups, len(optimizer.param_groups)) for optimizer in optimizers
+        optimizers = self.optimizers
+        self._key = [
+            list(group["params"]) for optimizer in optimizers for group in optimizer.param_groups
         ]
-        if self._one is not None:  # what `now` reads of one optimizer, kept apart
-            self._one_groups, self._one_count = self._groups[0]
         self._list = params_of(optimizers)
         self._ordered = in_model_order(self._model, self._list)
-        kinds: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for param in self._list:
-            kinds.setdefault((param.device, param.dtype), []).append(param)
-        self._by_kind = [
-            (
-                device,
-                dtype,
-                group,
-                torch.float64 if dtype == torch.float64 else torch.float32,
-                dtype in (torch.float32, torch.float64),
-            )
-            for (device, dtype), group in kinds.items()
-        ]
-        self._kinds = [
-            (group[0], dtype, group[0].get_device()) for _, dtype, group, _, _ in self._by_kind
-        ]
         self._watched = [
             [param for group in optimizer.param_groups for param in group["params"]]
             for optimizer in optimizers
@@ -148,38 +91,24 @@ class Params:
         self._watched.append([param for param in self._ordered if id(param) in in_model])
         own, model = self._watched[0], self._ordered
         one = len(optimizers) == 1 and own and model and own[0] is model[0]
-        self.first = own[0] if one else None
+        self._first = own[0] if one else None
+
+    def first(self) -> torch.Tensor | None:
+        """The one parameter whose gradient every wipe reaches, where there is one (one
+        optimizer, whose first parameter is the model's first): the window's watch reads
+        only it (`gradaccum.misuse.GradWatch`); else None."""
+        return self._first
 
     def watched(self) -> list[list[torch.Tensor]]:
         """Where a wipe of the window is seen (`gradaccum.misuse.GradWatch`): each
         optimizer's parameters (its ``zero_grad()`` clears them), and the model's in its
-        order (``model.zero_grad()``), as of the last `now` (each boundary's: a group
-        added between windows is watched from the next window's boundary on)."""
+        order (``model.zero_grad()``)."""
         return self._watched
 
     def ordered(self) -> list[torch.Tensor]:
         """`now`'s parameters in the order of ``model.parameters()``, then those the model
-        lacks (as of the last `now`)."""
+        lacks."""
         return self._ordered
-
-    def grads_by_kind(
-        self,
-    ) -> list[tuple[torch.device, torch.dtype, list[torch.Tensor], torch.dtype, bool]]:
-        """The gradients there are, grouped by device and dtype (as of the last `now`, worked
-        out again where a conversion moved them), each group with the dtype a factor is
-        multiplied in and whether a Python scalar is."""
-        if not self._kinds_hold():
-            self._work_out()
-        return [
-            (
-                device,
-                dtype,
-                [grad for param in group if (grad := param.grad) is not None],
-                wide,
-                plain,
-            )
-            for device, dtype, group, wide, plain in self._by_kind
-        ]
 
 
 def params_of(optimizers: Iterable[torch.optim.Optimizer]) -> list[torch.Tensor]:
@@ -193,7 +122,7 @@ def params_of(optimizers: Iterable[torch.optim.Optimizer]) -> list[torch.Tensor]
 
 
 def normalize(
-    params: Params, window: Window, ranks: Ranks
+    params: list[torch.Tensor], window: Window, ranks: Ranks
 ) -> tuple[int | torch.Tensor, torch.Tensor | None]:
     """Turn the window's summed gradient into the item-mean over every rank's window: divide
     by the items summed over the ranks (one all-reduce, in float64) and undo the wrapper's
@@ -239,7 +168,7 @@ def global_mean(window: Window, ranks: Ranks) -> torch.Tensor:
     return (ranks.total(total) / ranks.count).to(mean.dtype)
 
 
-def rescale(params: Params, window: Window) -> None:
+def rescale(params: list[torch.Tensor], window: Window) -> None:
     """Mean mode, an epoch that ended early: the losses were divided by the planned size,
     so the gradient is rescaled to 1/size of the microsteps it holds."""
     if window.divisor != window.size:
@@ -275,19 +204,25 @@ def all_finite(params: list[torch.Tensor], norm: torch.Tensor | None, ranks: Ran
     return ranks.all(torch.isfinite(grad_norm(params) if norm is None else norm))
 
 
-def scale_grads(params: Params, factor: float | torch.Tensor) -> None:
-    """Multiply every gradient by ``factor`` in place, without host sync.
+def scale_grads(params: list[torch.Tensor], factor: float | torch.Tensor) -> None:
+    """Multiply every gradient of ``params`` by ``factor`` in place, without host sync.
 
     The factor reaches the multiply in float64 for float64 gradients and in float32
     otherwise, never rounded to the gradient's own dtype first: float16 would turn the
-    inverse of an item total into a subnormal (or the total above 65504 into inf).
+    inverse of an item total into a subnormal (or the total above 65504 into inf). The
+    gradients are grouped by device and dtype as they are now (a model converted in part
+    between windows is seen at once).
     """
-    for device, _, grads, wide, plain in params.grads_by_kind():
-        if not grads:
-            continue
+    kinds: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for param in params:
+        grad = param.grad
+        if grad is not None:
+            kinds.setdefault((grad.device, grad.dtype), []).append(grad)
+    for (device, dtype), grads in kinds.items():
+        wide = torch.float64 if dtype == torch.float64 else torch.float32
         if not isinstance(factor, float):  # a tensor (read cheaply: a float as a rule)
             torch._foreach_mul_(grads, factor.to(device=device, dtype=wide))
-        elif plain:
+        elif dtype is wide:
             torch._foreach_mul_(grads, factor)  # a Python scalar: multiplied in the dtype
         else:
             torch._foreach_mul_(grads, torch.full((), factor, dtype=wide, device=device))

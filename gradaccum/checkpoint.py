@@ -5,24 +5,23 @@ changes."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from gradaccum import block, record
-from gradaccum.errors import ConfigError, UsageError
+from gradaccum import record
+from gradaccum.block import Microstep
+from gradaccum.errors import ConfigError, UsageError, warn
 from gradaccum.schedule import check_bool
-
-if TYPE_CHECKING:
-    from gradaccum.accumulator import Accumulator
 
 __all__ = ["load", "save"]
 
 
-def save(acc: Accumulator, include_grads: bool) -> dict[str, Any]:
-    """What `Accumulator.state_dict` returns."""
+def save(started: Microstep, include_grads: bool) -> dict[str, Any]:
+    """What `Accumulator.state_dict` returns, from the parts of the accumulator whose block
+    is ``started``."""
     check_bool(include_grads, "include_grads")
-    window = acc._window
+    window, plan, counts, options = started.window, started.plan, started.counts, started.options
     if window.in_block or (window.done and not include_grads):
         msg = (
             f"state_dict() was called mid-window ({window.progress()}); checkpoint after "
@@ -31,11 +30,10 @@ def save(acc: Accumulator, include_grads: bool) -> dict[str, Any]:
             "`with` block) to save the partial window"
         )
         raise UsageError(msg)
-    plan = acc._plan
     position = plan.checkpoint_position(window.done)
     saved = None
     if window.done:
-        _check_grads_in_params(acc, "state_dict(include_grads=True) cannot save")
+        _check_grads_in_params(started, "state_dict(include_grads=True) cannot save")
         saved = record.SavedWindow(
             microsteps=window.done,
             size=window.size,
@@ -43,20 +41,23 @@ def save(acc: Accumulator, include_grads: bool) -> dict[str, Any]:
             by_items=window.by_items,
             items=list(window.items),
             losses=list(window.losses),
-            grads=[_grad_copy(param) for param in acc._params.now()],
+            grads=[_grad_copy(param) for param in started.params.now()],
         )
+    refusal = plan.refused_resume(position)
+    if refusal is not None:
+        warn(f"a run resumed from this state is refused when its first epoch begins: {refusal}")
     order = plan.order
     return dict(
         record.Checkpoint(
-            steps=acc._steps,
+            steps=counts.steps,
             position=position,
-            global_step=acc._global_step,
-            skipped_steps=acc._skipped,
-            drop_last=acc._options.drop_last,
-            sync=acc._options.sync,
+            global_step=counts.global_step,
+            skipped_steps=counts.skipped,
+            drop_last=options.drop_last,
+            sync=options.sync,
             window=saved,
             epochs_completed=plan.epochs_completed,
-            world_size=acc._ranks.count,
+            world_size=started.ranks.count,
             epoch_length=plan.checkpoint_length(position),
             order=order,
             global_position=None if order is None else order.trained_after(position),
@@ -67,39 +68,39 @@ def save(acc: Accumulator, include_grads: bool) -> dict[str, Any]:
 
 
 def load(
-    acc: Accumulator,
+    started: Microstep,
     state: Mapping[str, Any],
     allow_steps_change: bool,
     allow_world_size_change: bool,
 ) -> None:
     """What `Accumulator.load_state_dict` does: refuse what does not fit, then restore."""
-    acc._life.check("load_state_dict()")
+    started.life.check("load_state_dict()")
     check_bool(allow_steps_change, "allow_steps_change")
     check_bool(allow_world_size_change, "allow_world_size_change")
     saved = record.parse(state, lambda value: isinstance(value, torch.Tensor))
-    world_size = acc._ranks.count
+    world_size = started.ranks.count
     rescale = saved.check_fits(
         world_size=world_size,
-        steps=acc._steps,
-        drop_last=acc._options.drop_last,
+        steps=started.counts.steps,
+        drop_last=started.options.drop_last,
         allow_steps_change=allow_steps_change,
         allow_world_size_change=allow_world_size_change,
     )
-    if acc._window.is_open or acc._plan.active:
+    plan = started.plan
+    if started.window.is_open or plan.active:
         msg = (
             "load_state_dict() was called mid-window or while acc.epoch() is being "
             "iterated; load before the epoch loop"
         )
         raise UsageError(msg)
-    params = acc._params.now()
+    params = started.params.now()
     if saved.window is not None:
-        _check_window_fits(acc, saved.window, params)
-    acc._global_step = saved.global_step
-    acc._skipped = saved.skipped_steps
-    acc._stepper.reread_schedulers()
+        _check_window_fits(started, saved.window, params)
+    started.counts.load(saved.global_step, saved.skipped_steps)
+    started.stepper.reread_schedulers()
     done = 0 if saved.window is None else saved.window.microsteps
     if rescale is None:
-        acc._plan.load(
+        plan.load(
             saved.position,
             done,
             epochs_completed=saved.epochs_completed,
@@ -109,7 +110,7 @@ def load(
             handed_out=saved.handed_out,
         )
     else:  # the position in these ranks' microbatches; their epoch's length is checked then
-        acc._plan.load(
+        plan.load(
             rescale.skip(world_size),
             0,
             epochs_completed=saved.epochs_completed,
@@ -117,23 +118,22 @@ def load(
             handed_out=saved.handed_out,
             rescale=rescale,
         )
-    block.clear_window(acc)
+    started.drop_window()
     if saved.window is not None:
         for param, grad in zip(params, saved.window.grads, strict=True):
             param.grad = None if grad is None else grad.to(param.device).clone()
-        window = acc._window
-        window.done = saved.window.microsteps
-        window.resize(saved.window.size)
-        window.divisor, window.by_items = saved.window.divisor, saved.window.by_items
-        window.items, window.losses = list(saved.window.items), list(saved.window.losses)
-        if acc._block.watch:
-            acc._grads.start(acc._params.first, acc._params.watched())
-        acc._block.arm()
+        kept = saved.window
+        started.window.restore(
+            kept.microsteps, kept.size, kept.divisor, kept.by_items, kept.items, kept.losses
+        )
+        if started.arming.strategy.grads_in_params:
+            started.grads.start(started.params.first(), started.params.watched())
+        started.arm()
 
 
-def _check_grads_in_params(acc: Accumulator, refused: str) -> None:
+def _check_grads_in_params(started: Microstep, refused: str) -> None:
     """Refuse to save or load an open window where its gradient is not ``param.grad``."""
-    strategy = acc._block.strategy
+    strategy = started.arming.strategy
     if not strategy.grads_in_params:
         msg = (
             f"{refused} this window: under {type(strategy).__name__} its partial "
@@ -145,7 +145,7 @@ def _check_grads_in_params(acc: Accumulator, refused: str) -> None:
 
 
 def _check_window_fits(
-    acc: Accumulator, window: record.SavedWindow, params: list[torch.Tensor]
+    started: Microstep, window: record.SavedWindow, params: list[torch.Tensor]
 ) -> None:
     if len(window.grads) != len(params) or not all(
         grad is None or grad.shape == param.shape
@@ -156,7 +156,7 @@ def _check_window_fits(
             "shapes differ); load it into an Accumulator built like the saved one"
         )
         raise ConfigError(msg)
-    _check_grads_in_params(acc, "load_state_dict() cannot restore")
+    _check_grads_in_params(started, "load_state_dict() cannot restore")
 
 
 def _grad_copy(param: torch.Tensor) -> torch.Tensor | None:

@@ -1,7 +1,8 @@
 """The hook gradaccum puts on the user's model while an accumulator is open: one
 ``always_call`` forward hook, which tells its listeners that a forward ran (a sync
 strategy that overrides `SyncStrategy.forward_done`) or that it raised (on several ranks,
-where the forward runs a collective: one that fails because another rank did). DDP needs
+where the forward runs a collective: one that fails because another rank did), and
+raises the error a listener gives instead of the forward's (`_raise_instead`). DDP needs
 no hook: what its last forward decided is read from DDP itself (`gradaccum.sync.DDPSync`).
 
 The model keeps its type and its attributes. The hook is a plain module-level function,
@@ -19,6 +20,7 @@ listener's removal removes the hook: the model is as it was.
 
 from __future__ import annotations
 
+import ctypes
 import sys
 import weakref
 from collections.abc import Callable
@@ -28,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from gradaccum import faults
 from gradaccum.errors import UsageError
 
 __all__ = ["Refusal", "Watch", "watch"]
@@ -40,7 +43,8 @@ class _Watched:
 
     def __init__(self, model: nn.Module) -> None:
         self.done: list[weakref.WeakMethod[Callable[[], None]]] = []
-        self.failed: list[weakref.WeakMethod[Callable[[BaseException], None]]] = []
+        self.failed: list[weakref.WeakMethod[Callable[[BaseException], BaseException | None]]]
+        self.failed = []
         self.handle: RemovableHandle = model.register_forward_hook(_after_forward, always_call=True)
         # A model that dies with listeners left (accumulators never closed) takes its entry.
         self.finalizer = weakref.finalize(model, _watched.pop, id(model), None)
@@ -71,7 +75,33 @@ def _after_forward(model: nn.Module, _: object, output: object) -> None:
     for failed in watched.failed:
         report = failed()
         if report is not None:
-            report(error)
+            instead = report(error)
+            if instead is not None:
+                _raise_instead(error, instead)
+
+
+# CPython's setter of the exception being handled (3.11 and later; None elsewhere).
+_set_handled: Any = getattr(getattr(ctypes, "pythonapi", None), "PyErr_SetHandledException", None)
+if _set_handled is not None:
+    _set_handled.argtypes, _set_handled.restype = (ctypes.py_object,), None
+
+
+def _raise_instead(error: BaseException, instead: BaseException) -> None:
+    """Make the model's call raise ``instead``, from ``error``, the forward's error.
+
+    torch calls an ``always_call`` hook inside its ``except`` block around the forward and
+    then re-raises with a bare ``raise``, which raises the exception being handled; an
+    error the hook raises itself torch only warns about. So the hook sets ``instead`` as
+    the exception being handled (CPython's ``PyErr_SetHandledException``), and torch's
+    ``raise`` raises it, with ``error`` as its cause; the model's class is not changed to
+    wrap its call. Where that is not available (Python 3.10), ``error`` is raised, with
+    ``instead``'s type and message as a note (PEP 678). ``instead`` is one of gradaccum's
+    errors."""
+    instead.__cause__ = error
+    if _set_handled is None:
+        faults.add_note(error, f"gradaccum.{type(instead).__name__}: {instead}")
+        return
+    _set_handled(instead)
 
 
 class Watch:
@@ -103,12 +133,13 @@ def watch(
     model: nn.Module,
     *,
     done: Callable[[], None] | None = None,
-    failed: Callable[[BaseException], None] | None = None,
+    failed: Callable[[BaseException], BaseException | None] | None = None,
 ) -> Watch:
     """Call the bound method ``done()`` after each forward of ``model`` that returned, and
     ``failed(error)`` when one raised (before the error leaves the call; ``failed`` must
-    not raise: ``torch`` would only warn about it). Both are held weakly: a forgotten
-    accumulator costs a dead reference.
+    not raise, since ``torch`` would only warn about it, but may return the error the
+    call raises instead, from ``error``: `_raise_instead`). Both are held weakly: a
+    forgotten accumulator costs a dead reference.
     """
     key = id(model)
     watched = _watched.get(key)

@@ -13,7 +13,7 @@ from gradaccum.errors import ConfigError, UsageError
 from gradaccum.order import GlobalOrder, Rescale
 from gradaccum.schedule import trained_microbatches
 
-__all__ = ["EpochPlan", "check_epoch_length"]
+__all__ = ["EpochPlan", "check_epoch_length", "resumes_run"]
 
 
 class EpochPlan:
@@ -54,6 +54,11 @@ class EpochPlan:
         rescale: A state saved on another number of ranks was loaded: what the next epoch
             is checked against before it resumes (kept, like ``resume_at``, until its first
             hand-out).
+        refusal: Why a run resumed past its start over the current epoch's iterable (between
+            epochs: the last epoch's) would be refused at its first epoch, with the fix
+            (`gradaccum.resuming.workers_seed_refusal`), or None: it would not, or no epoch
+            began since the accumulator was made or a state was loaded. Set, like
+            ``order``, by each `begin` that starts an epoch; cleared by `load`.
     """
 
     __slots__ = (
@@ -69,6 +74,7 @@ class EpochPlan:
         "order",
         "pending",
         "position",
+        "refusal",
         "remaining",
         "rescale",
         "resume_at",
@@ -91,6 +97,7 @@ class EpochPlan:
         self.order: GlobalOrder | None = None
         self.by_items: bool | None = None
         self.rescale: Rescale | None = None
+        self.refusal: str | None = None
 
     def begin(
         self,
@@ -99,12 +106,13 @@ class EpochPlan:
         *,
         restores_itself: bool = False,
         order: GlobalOrder | None = None,
+        refusal: str | None = None,
     ) -> int | None:
         """Start an epoch of ``length`` microbatches (None: unknown); return the loaded
         position it resumes at (the microbatches to skip), or None for a fresh epoch.
         With ``restores_itself`` the iterable resumes there by itself: the microbatches
         drawn from it are counted from there. ``order`` is the epoch's global order, when
-        known.
+        known; ``refusal`` why a run resumed over its iterable would be refused, if so.
 
         Raises:
             UsageError: Another epoch of this accumulator is being iterated.
@@ -149,7 +157,7 @@ class EpochPlan:
                 )
                 raise ConfigError(msg)
         self.length = length
-        self.order = order
+        self.order, self.refusal = order, refusal
         self.position = skip
         if resume is None:
             self.closed_at = 0
@@ -203,6 +211,17 @@ class EpochPlan:
         self.remaining = remaining
         return self.window_size(steps, done)
 
+    def take(self) -> None:
+        """Another microbatch of the open window reaches the user: its size is settled."""
+        self.position += 1
+        self.pending = True
+
+    def back_propagated(self) -> None:
+        """The microbatch handed out last reached its microstep (a microstep outside the
+        epoch uses no microbatch of it)."""
+        if self.active:
+            self.pending = False
+
     def window_size(self, steps: int, done: int) -> int:
         """The size of the window that the microbatch handed out last belongs to, ``done``
         microsteps into it: ``steps``, or fewer where the epoch ends before (unless the
@@ -251,6 +270,14 @@ class EpochPlan:
             raise UsageError(msg)
         return position
 
+    def refused_resume(self, position: int) -> str | None:
+        """Why a run resumed from a checkpoint at ``position`` saved now would be refused at
+        its first epoch over an iterable like this epoch's (`refusal`, where the checkpoint
+        resumes a run past its start: `resumes_run`), or None."""
+        if resumes_run(position, self.epochs_completed, self.pending):
+            return self.refusal
+        return None
+
     def checkpoint_length(self, position: int) -> int | None:
         """The epoch length a checkpoint at ``position`` records: this epoch's, where it
         resumes a position (between epochs the next epoch is a fresh one, of any length)."""
@@ -291,7 +318,8 @@ class EpochPlan:
         another number of ranks (``position`` counts these ranks' microbatches)."""
         self.epochs_completed = epochs_completed
         self.order, self.by_items, self.rescale = order, by_items, rescale
-        self.resumes_run = bool(position or epochs_completed or handed_out)
+        self.refusal = None
+        self.resumes_run = resumes_run(position, epochs_completed, handed_out)
         self.handed_out = handed_out
         self.length = length
         self.drawn = None
@@ -300,6 +328,14 @@ class EpochPlan:
         self.closed_at = self.cut_at = max(0, position - window_done)  # (outside an epoch: 0)
         self.pending = False
         self.remaining = None
+
+
+def resumes_run(position: int, epochs_completed: int, handed_out: bool) -> bool:
+    """A state saved at ``position`` after ``epochs_completed`` epochs (``handed_out``: with a
+    microbatch handed out, not back-propagated) resumes a run past its start, where its
+    first epoch refuses what only a run from the start may do
+    (`gradaccum.resuming.check_workers_seed`)."""
+    return bool(position or epochs_completed or handed_out)
 
 
 def check_epoch_length(n: int, steps: int, drop_last: bool, *, discarded: bool) -> None:

@@ -15,7 +15,8 @@ sampler's indices, or by drawing and dropping what was trained on already.
 - Any other iterable is drawn from and the microbatches trained on already are dropped.
 
 A DataLoader with persistent workers resumes its order exactly only if that order is not
-drawn from the generator of its workers' seed: see `check_workers_seed`.
+drawn from the generator of its workers' seed: see `workers_seed_refusal`, which a resumed
+run raises and `Accumulator.state_dict` warns with.
 
 `global_order` reads where an epoch's microbatches lie in one order of its samples over all
 the ranks, so that a state saved on one number of ranks resumes on another.
@@ -36,7 +37,13 @@ from gradaccum import foreign
 from gradaccum.errors import ConfigError, ConfigTypeError, describe, warn
 from gradaccum.order import GlobalOrder
 
-__all__ = ["check_workers_seed", "global_order", "restores_own_position", "resumed"]
+__all__ = [
+    "check_workers_seed",
+    "global_order",
+    "restores_own_position",
+    "resumed",
+    "workers_seed_refusal",
+]
 
 T = TypeVar("T")
 
@@ -162,42 +169,18 @@ def resumed(
 
 def check_workers_seed(iterable: object) -> None:
     """Refuse to resume a run with a DataLoader whose persistent workers' seed is drawn from
-    the generator its order comes from; warn when it is drawn from torch's global state.
-
-    A DataLoader draws its workers' base seed from its ``generator`` (None: torch's global
-    random state) whenever it creates an iterator, before the sampler draws the epoch's
-    order. With persistent workers it creates one at its first epoch and reuses it, so the
-    uninterrupted run draws that seed at its first epoch only; a resumed run draws it again
-    at its own first (and a mid-epoch resume's skipping loader, which lives for one epoch,
-    once more), where the uninterrupted run did not. Loaders that restore their own
-    position are left to their state.
+    the generator its order comes from (`workers_seed_refusal`); warn when it is drawn from
+    torch's global state.
 
     Raises:
-        ConfigError: The order is drawn from that generator (the sampler's is the loader's,
-            or both are None): every epoch from here on would be shuffled differently.
+        ConfigError: The order is drawn from that generator: every epoch from here on would
+            be shuffled differently.
     """
-    if not (
-        isinstance(iterable, DataLoader)
-        and iterable.persistent_workers
-        and iterable.num_workers > 0
-        and not restores_own_position(iterable)
-    ):
-        return
-    seed_from = iterable.generator
-    if _order_generator(iterable) is seed_from:
-        source = "torch's global random state" if seed_from is None else "its generator"
-        msg = (
-            "the DataLoader has persistent_workers=True and draws its order from the "
-            f"generator its workers' seed is drawn from ({source}): a DataLoader draws "
-            "that seed when it starts its workers, so a resumed run draws it where the "
-            "uninterrupted run did not, and shuffles every epoch from here on differently. "
-            "Give the sampler a generator of its own, seeded at each epoch's start: "
-            "DataLoader(data, sampler=RandomSampler(data, generator=order), "
-            "generator=torch.Generator(), persistent_workers=True, ...), or pass "
-            "persistent_workers=False"
-        )
-        raise ConfigError(msg)
-    if seed_from is None:
+    refusal = workers_seed_refusal(iterable)
+    if refusal is not None:
+        raise ConfigError(refusal)
+    loader = _persistent(iterable)
+    if loader is not None and loader.generator is None:
         warn(
             "the DataLoader has persistent_workers=True and no generator: its workers' seed "
             "is drawn from torch's global random state at this resumed run's first epoch, "
@@ -205,6 +188,50 @@ def check_workers_seed(iterable: object) -> None:
             "(dropout) differs from the uninterrupted run; pass generator=torch.Generator() "
             "to the DataLoader"
         )
+
+
+def workers_seed_refusal(iterable: object) -> str | None:
+    """Why a run resumed past its start over ``iterable`` is refused, with the fix; None
+    where it is not. The one decision of `check_workers_seed`, which raises it when a
+    resumed run's first epoch begins, and of the warning `Accumulator.state_dict` gives
+    when it saves a state that such an epoch would refuse.
+
+    A DataLoader draws its workers' base seed from its ``generator`` (None: torch's global
+    random state) whenever it creates an iterator, before the sampler draws the epoch's
+    order. With persistent workers it creates one at its first epoch and reuses it, so the
+    uninterrupted run draws that seed at its first epoch only; a resumed run draws it again
+    at its own first (and a mid-epoch resume's skipping loader, which lives for one epoch,
+    once more), where the uninterrupted run did not. That moves the order where it is drawn
+    from that generator (the sampler's is the loader's, or both are None). Loaders that
+    restore their own position are left to their state.
+    """
+    loader = _persistent(iterable)
+    if loader is None or _order_generator(loader) is not loader.generator:
+        return None
+    source = "torch's global random state" if loader.generator is None else "its generator"
+    return (
+        "the DataLoader has persistent_workers=True and draws its order from the "
+        f"generator its workers' seed is drawn from ({source}): a DataLoader draws "
+        "that seed when it starts its workers, so a resumed run draws it where the "
+        "uninterrupted run did not, and shuffles every epoch from here on differently. "
+        "Give the sampler a generator of its own, seeded at each epoch's start: "
+        "DataLoader(data, sampler=RandomSampler(data, generator=order), "
+        "generator=torch.Generator(), persistent_workers=True, ...), or pass "
+        "persistent_workers=False"
+    )
+
+
+def _persistent(iterable: object) -> DataLoader[Any] | None:
+    """``iterable`` if it is a DataLoader with persistent workers that does not restore its
+    own position."""
+    if (
+        isinstance(iterable, DataLoader)
+        and iterable.persistent_workers
+        and iterable.num_workers > 0
+        and not restores_own_position(iterable)
+    ):
+        return iterable
+    return None
 
 
 _NO_GENERATOR = object()

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["Step"]
+__all__ = ["Step", "at_boundary"]
 
 
 class Step:
@@ -115,3 +115,22 @@ class Step:
         if len(self.lrs) > 1:
             shown.insert(-1, f"lrs={self.lrs!r}")
         return f"Step({', '.join(shown)})"
+
+
+def at_boundary(
+    global_step: int,
+    losses: Sequence[torch.Tensor],
+    divisor: int | torch.Tensor,
+    by_items: bool,
+    alone: bool,
+    totals: torch.Tensor | None,
+) -> Step:
+    """The boundary's `Step` of window ``global_step``: its ``losses`` (detached), what
+    their sum is divided by (``divisor``: their count, or this rank's items with
+    ``by_items``), whether ``global_loss`` is this rank's loss (``alone``), and the ranks'
+    loss or their (items, summed losses) pair (``totals``), when known."""
+    step = Step()
+    step.boundary, step.global_step = True, global_step
+    step._losses, step._divisor, step._by_items = losses, divisor, by_items
+    step._alone, step._global = alone, totals
+    return step

@@ -3,7 +3,6 @@ watching both for steps taken by hand; which accumulator owns an optimizer."""
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from operator import attrgetter
 from typing import Any
@@ -12,18 +11,7 @@ import torch
 
 from gradaccum.errors import UsageError, warn
 
-__all__ = ["Stepper", "learning_rate", "owner_of"]
-
-# The open accumulator that steps each optimizer (weakly held on both sides).
-_owners: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[Any]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def owner_of(optimizer: torch.optim.Optimizer) -> Any:
-    """The accumulator that owns ``optimizer`` now, or None."""
-    ref = _owners.get(optimizer)
-    return None if ref is None else ref()
+__all__ = ["Stepper", "learning_rate"]
 
 
 class Stepper:
@@ -44,7 +32,6 @@ class Stepper:
 
     def __init__(
         self,
-        owner: object,
         optimizers: tuple[torch.optim.Optimizer, ...],
         schedulers: tuple[Any, ...],
         scaler: torch.amp.GradScaler | None,
@@ -78,9 +65,6 @@ class Stepper:
         self._hooks += [
             optimizer.register_load_state_dict_post_hook(self._loaded) for optimizer in optimizers
         ]
-        self._owner = weakref.ref(owner)
-        for optimizer in optimizers:
-            _owners[optimizer] = self._owner
 
     def unscale(self) -> None:
         """Unscale the window's gradient (once, at its boundary) when there is a scaler."""
@@ -185,13 +169,9 @@ class Stepper:
         self.reread_schedulers()
 
     def release(self) -> None:
-        """Remove the hooks; the optimizers are no longer owned by this stepper's owner
-        (where no newer accumulator took them over)."""
+        """Remove the hooks from the optimizers."""
         for hook in self._hooks:
             hook.remove()
-        for optimizer in self.optimizers:
-            if _owners.get(optimizer) is self._owner:
-                del _owners[optimizer]
 
     def _foreign_step(self, optimizer: torch.optim.Optimizer, *_: object) -> None:
         if self._stepping:

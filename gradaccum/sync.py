@@ -818,12 +818,16 @@ def grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
     """The total norm of the gradients, a 0-dim tensor; gathered over the mesh when they
     are DTensors (``fully_shard``), so it is the full norm, the same on every rank. A
     sparse gradient (``nn.Embedding(sparse=True)``) counts by its coalesced values."""
-    grads = [
-        grad.coalesce().values() if grad.is_sparse else grad
-        for grad in (param.grad for param in params)
-        if grad is not None
-    ]
-    return full_tensor(nn.utils.get_total_norm(grads))
+    grads = [grad for param in params if (grad := param.grad) is not None]
+    try:
+        total = nn.utils.get_total_norm(grads)
+    except NotImplementedError:  # (no norm kernel for a sparse tensor: read only then)
+        if not any(grad.is_sparse for grad in grads):
+            raise
+        total = nn.utils.get_total_norm(
+            [grad.coalesce().values() if grad.is_sparse else grad for grad in grads]
+        )
+    return full_tensor(total)
 
 
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:

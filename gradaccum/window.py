@@ -11,7 +11,7 @@ from typing import Any, NoReturn
 
 from gradaccum.errors import UsageError
 
-__all__ = ["Lifecycle", "State", "Window"]
+__all__ = ["Counts", "Lifecycle", "State", "Window"]
 
 
 class Window:
@@ -77,6 +77,45 @@ class Window:
     def where_open(self) -> str | None:
         """`where` while the window is open, else None (between windows)."""
         return self.where() if self.is_open else None
+
+    def restore(
+        self,
+        done: int,
+        size: int,
+        divisor: int,
+        by_items: bool,
+        items: list[Any],
+        losses: list[Any],
+    ) -> None:
+        """Continue a window saved after ``done`` of its ``size`` microsteps."""
+        self.done, self.divisor, self.by_items = done, divisor, by_items
+        self.resize(size)
+        self.items, self.losses = list(items), list(losses)
+
+
+class Counts:
+    """How many microsteps make a window, and how many windows were completed.
+
+    Attributes:
+        steps: Microbatches per optimizer step (``Accumulator.steps``).
+        global_step: Windows completed: optimizer steps taken, plus the skipped ones.
+        skipped: Windows completed without an optimizer step (inf/NaN).
+    """
+
+    __slots__ = ("global_step", "skipped", "steps")
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self.global_step = self.skipped = 0
+
+    def count(self, *, skipped: bool) -> None:
+        """A window was completed (applied, or skipped)."""
+        self.global_step += 1
+        self.skipped += skipped
+
+    def load(self, global_step: int, skipped: int) -> None:
+        """Take the counts of a loaded state."""
+        self.global_step, self.skipped = global_step, skipped
 
 
 class State(enum.Enum):

@@ -431,16 +431,16 @@ def verify_rows_with_late_arming(rank: int, world: int) -> Any:
     """verify's DDP rows, with the accumulator patched to arm each microstep in its
     backward, after DDP's forward has already decided: the bug verify must catch."""
     from gradaccum import verify
+    from gradaccum.arming import Arming
     from gradaccum.block import Microstep
 
     enter = Microstep.__enter__
 
     def arm_then_enter(self: Microstep) -> Any:
-        acc = self.acc
-        acc._block.strategy.arm(acc.sync_gradients or acc._options.sync == "every")
+        self.arming.strategy.arm(self.window.next_is_boundary or self.arming.every)
         return enter(self)
 
-    Microstep.arm = lambda self: None  # type: ignore[method-assign]
+    Arming.arm = lambda self, boundary: None  # type: ignore[method-assign]
     Microstep.__enter__ = arm_then_enter  # type: ignore[method-assign]
     return verify._rank_rows(rank, world, "DDP", [4], "late arming")
 

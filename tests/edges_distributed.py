@@ -79,8 +79,8 @@ def two_forwards(rank: int, world: int) -> dict[str, Any]:
 def fail_then_leave(rank: int, world: int, kind: str) -> dict[str, Any]:
     """Rank 1 raises in the block of its second microbatch (steps=4) and leaves; rank 0
     meets the failure in its next forward's collective (FSDP's all-gather), outside any
-    gradaccum call. What rank 0 caught, with its notes, and what its accumulator says
-    next."""
+    gradaccum call. What rank 0 caught (its type, notes and cause, and as a
+    `RankFailedError` its message and fields), and what its accumulator says next."""
     model = wrap(kind, make_model())
     acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=4)
     batches = rank_batches(rank, [2] * 8)
@@ -99,7 +99,11 @@ def fail_then_leave(rank: int, world: int, kind: str) -> dict[str, Any]:
             type=type(error).__name__,
             notes=list(getattr(error, "__notes__", [])),
             rank_failed=isinstance(error, gradaccum.RankFailedError),
+            cause=repr(error.__cause__),
+            message=str(error),
         )
+        if isinstance(error, gradaccum.RankFailedError):
+            outcome.update(rank=error.rank, window=error.window, applied=error.applied)
     try:  # a loss without a forward: the collectives are gone
         acc.microstep(torch.zeros((), requires_grad=True))
     except gradaccum.UsageError as refused:

@@ -1,21 +1,27 @@
-"""The boundary's parameters (boundary.Params): worked out once, again when the groups
-change, and a group added between windows is normalized, clipped and checked."""
+"""The boundary's parameters (boundary.Params): worked out once, again whenever a group's
+parameter list changes, and whatever users change between windows is normalized, clipped and
+checked at the next boundary."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 import gradaccum
 from gradaccum.boundary import Params
+from tests import strategies
 from tests.helpers import make_batches, make_model, sum_loss
 
 
-def test_the_parameters_are_worked_out_again_when_the_groups_change() -> None:
-    """The list is the same object while nothing changes (no work per boundary), and a
-    new one after ``add_param_group`` or a new group list (``load_state_dict``); the
-    model's order comes first, a parameter outside the model last."""
+def test_the_parameters_are_worked_out_again_whenever_a_parameter_list_changes() -> None:
+    """The list is the same object while every group's parameters are the same objects
+    (no work per boundary beyond the compare), and a new one after ``add_param_group``, a
+    group swapped by ``pop`` and ``add_param_group``, ``group["params"]`` replaced, or a
+    parameter put into a group's list in place; a ``load_state_dict`` that keeps the
+    parameters keeps the list. The model's order comes first, one outside it last."""
     model = make_model()
     optimizer = torch.optim.SGD(list(model.parameters())[::-1], lr=0.1)
     params = Params((optimizer,), model)
@@ -28,24 +34,19 @@ def test_the_parameters_are_worked_out_again_when_the_groups_change() -> None:
     assert grown is not first
     assert grown[-1] is extra
     assert params.ordered() == [*model.parameters(), extra]
-    optimizer.load_state_dict(optimizer.state_dict())  # a new list of groups
-    assert params.now() is not grown
-    assert params.now() == grown
-
-
-def test_the_gradients_are_grouped_by_device_and_dtype() -> None:
-    """Each kind of parameter its own group; those without a gradient left out."""
-    model = make_model()
-    half = torch.nn.Parameter(torch.zeros(3, dtype=torch.float32))
-    optimizer = torch.optim.SGD([*model.parameters(), half], lr=0.1)
-    params = Params((optimizer,), model)
-    params.now()
-    for param in model.parameters():
-        param.grad = torch.ones_like(param)
-    kinds = {
-        (str(device), dtype): len(grads) for device, dtype, grads, *_ in params.grads_by_kind()
-    }
-    assert kinds == {("cpu", torch.float64): 4, ("cpu", torch.float32): 0}
+    optimizer.load_state_dict(optimizer.state_dict())  # a new list of the same groups
+    assert params.now() is grown
+    swapped = torch.nn.Parameter(torch.zeros(()))
+    optimizer.param_groups.pop()  # (the list keeps its identity and its length)
+    optimizer.add_param_group({"params": [swapped]})
+    assert params.now()[-1] is swapped
+    replaced = torch.nn.Parameter(torch.zeros(()))
+    optimizer.param_groups[-1]["params"] = [replaced]
+    assert params.now()[-1] is replaced
+    edited = torch.nn.Parameter(torch.zeros(()))
+    optimizer.param_groups[-1]["params"][0] = edited
+    assert params.now()[-1] is edited
+    assert params.ordered()[-1] is edited
 
 
 def test_a_group_added_between_windows_is_normalized_clipped_and_checked() -> None:
@@ -128,3 +129,180 @@ def test_a_model_converted_between_windows_is_normalized_in_its_new_dtype() -> N
     pairs = zip(kept.parameters(), model.parameters(), strict=True)
     gap = max((a - b).abs().max().item() for a, b in pairs)
     assert gap < 1e-15
+
+
+# What users mutate between windows, against the float64 reference --------------------
+
+_MUTATIONS = ("head", "swap", "replace", "remove", "toggle", "convert")
+
+
+class _Parts(torch.nn.Module):
+    """Branches that each fit the targets on their own (so that each parameter's gradient
+    depends on its own branch's dtype only): a body, a head whose dtype can change, and
+    heads added later (``extra``); every branch's loss is computed in float64."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(5, 1).to(dtype)
+        self.head = torch.nn.Linear(5, 1).to(dtype)
+        self.extra = torch.nn.ParameterList()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = [layer(x.to(layer.weight.dtype)).double() for layer in (self.body, self.head)]
+        outs += [(x * scale).sum(1, keepdim=True) for scale in self.extra]
+        return torch.cat(outs, 1)
+
+
+def _mutate(what: str, model: _Parts, optimizers: list[torch.optim.Optimizer], seed: int) -> None:
+    """Change, between windows, what a user's loop changes: a head added with
+    ``add_param_group``, a group swapped by ``pop`` and ``add_param_group`` (a fresh head),
+    ``group["params"]`` replaced, a head removed from its group's list in place, a
+    parameter's ``requires_grad`` toggled, or the head converted to the other dtype."""
+    last = optimizers[-1]
+
+    def fresh() -> torch.nn.Parameter:
+        scale = torch.nn.Parameter(
+            torch.randn(5, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        )
+        model.extra.append(scale)
+        return scale
+
+    added = len(last.param_groups) > 1 and last.param_groups[-1]["params"]
+    if what == "head" or (what in ("swap", "remove") and not added):
+        last.add_param_group({"params": [fresh()]})
+    elif what == "swap":
+        dropped = last.param_groups.pop()["params"]
+        model.extra = torch.nn.ParameterList(
+            p for p in model.extra if not any(p is q for q in dropped)
+        )
+        last.add_param_group({"params": [fresh()]})
+    elif what == "remove":
+        group = last.param_groups[-1]["params"]
+        gone = group.pop()
+        model.extra = torch.nn.ParameterList(p for p in model.extra if p is not gone)
+    elif what == "replace":
+        group = optimizers[0].param_groups[0]
+        group["params"] = [*group["params"], fresh()]
+    elif what == "toggle":
+        model.head.bias.requires_grad_(not model.head.bias.requires_grad)
+    else:
+        model.head.to(torch.float64 if model.head.weight.dtype == torch.float32 else torch.float32)
+
+
+def _reference_step(
+    model: _Parts,
+    optimizers: list[torch.optim.Optimizer],
+    window: list[tuple[torch.Tensor, torch.Tensor]],
+    items: bool,
+    max_norm: float | None,
+) -> dict[int, torch.Tensor]:
+    """The window's update from the parameters as they are, in float64: the mean of the
+    microbatches' mean losses (or the summed losses over their items), one big batch,
+    clipped over the optimizers' parameters, one SGD step of 0.1."""
+    stepped = [
+        p for o in optimizers for g in o.param_groups for p in g["params"] if p.requires_grad
+    ]
+    wide = {name: p.detach().double() for name, p in model.named_parameters()}
+    for name, p in model.named_parameters():
+        if any(p is q for q in stepped):
+            wide[name].requires_grad_(True)
+    losses = []
+    for x, y in window:
+        squared = (torch.func.functional_call(model, wide, (x,)) - y).square()
+        losses.append(squared.sum() if items else squared.mean())
+    total = sum(losses) / (sum(len(x) for x, _ in window) if items else len(window))
+    names = {id(p): name for name, p in model.named_parameters()}
+    grads = torch.autograd.grad(total, [wide[names[id(p)]] for p in stepped])
+    if max_norm is not None:
+        norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
+        grads = tuple(g * min(1.0, max_norm / (norm.item() + 1e-6)) for g in grads)
+    return {
+        id(p): wide[names[id(p)]].detach() - 0.1 * g for p, g in zip(stepped, grads, strict=True)
+    }
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    mutations=st.lists(st.sampled_from(_MUTATIONS), min_size=1, max_size=4),
+    items=st.sampled_from([None, "int", "tensor"]),
+    clip=st.booleans(),
+    scaler=st.booleans(),
+    two=st.booleans(),
+    half=st.booleans(),
+    seed=strategies.seeds,
+)
+@example(  # the two found: a group swapped (num_items; clipping), a head turned float64
+    mutations=["head", "swap"],
+    items=True,
+    clip=False,
+    scaler=False,
+    two=False,
+    half=False,
+    seed=0,
+)
+@example(
+    mutations=["head", "swap"],
+    items=False,
+    clip=True,
+    scaler=False,
+    two=False,
+    half=False,
+    seed=0,
+)
+@example(mutations=["convert"], items=True, clip=False, scaler=False, two=False, half=True, seed=0)
+def test_what_users_mutate_between_windows_is_seen_at_the_next_boundary(
+    mutations: list[str],
+    items: str | None,
+    clip: bool,
+    scaler: bool,
+    two: bool,
+    half: bool,
+    seed: int,
+) -> None:
+    """Between windows the loop changes what users change (`_mutate`), on one optimizer or
+    on the second of two (a body and a head optimizer), with and without ``num_items`` (an
+    int or a tensor), clipping and a GradScaler, from a float64 or a float32 model: every
+    window's update equals the float64 big batch computed from the parameters as they
+    were, to 1e-12 for a float64 parameter (float32's rounding for a float32 one, or for
+    all where clipping mixes their norms)."""
+    model = _Parts(torch.float32 if half else torch.float64)
+    body, head = list(model.body.parameters()), list(model.head.parameters())
+    optimizers = (
+        [torch.optim.SGD(body, lr=0.1), torch.optim.SGD(head, lr=0.1)]
+        if two
+        else [torch.optim.SGD(body + head, lr=0.1)]
+    )
+    acc = gradaccum.Accumulator(
+        model,
+        optimizers if two else optimizers[0],
+        steps=3,
+        max_grad_norm=0.05 if clip else None,
+        scaler=torch.amp.GradScaler("cpu", init_scale=2.0**4) if scaler else None,
+    )
+    generator = torch.Generator().manual_seed(seed)
+    for index, what in enumerate(["none", *mutations]):
+        if what != "none":
+            _mutate(what, model, optimizers, seed + index)
+        sizes = torch.randint(1, 5, (3,), generator=generator).tolist() if items else [3] * 3
+        window = [
+            (
+                torch.randn(n, 5, generator=generator, dtype=torch.float64),
+                torch.randn(n, 1, generator=generator, dtype=torch.float64),
+            )
+            for n in sizes
+        ]
+        expected = _reference_step(model, optimizers, window, bool(items), 0.05 if clip else None)
+        for x, y in window:
+            squared = (model(x) - y).square()
+            count = torch.tensor(len(x)) if items == "tensor" else len(x)
+            loss = squared.sum() if items else squared.mean()
+            with acc.microstep(loss, count if items else None):
+                pass
+        narrow = clip and any(p.dtype != torch.float64 for p in model.parameters())
+        for p in (p for o in optimizers for g in o.param_groups for p in g["params"]):
+            if id(p) in expected:
+                tolerance = 1e-5 if narrow or p.dtype != torch.float64 else 1e-12
+                gap = (p.detach().double() - expected[id(p)]).abs().max().item()
+                assert gap <= tolerance, (what, p.dtype, gap)
+    acc.close()

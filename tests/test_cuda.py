@@ -86,15 +86,13 @@ class _HandLoop:
     It keeps each window's detached losses until the window's step, as a loop that logs
     the window's loss does (gradaccum keeps them for `gradaccum.Step`), so that both
     hold the same memory. A mean loss is back-propagated as ``(loss / steps).backward()``,
-    or with ``unit`` as gradaccum does it: ``loss.backward(unit)`` with the ``1 / steps``
-    that division sends into the loss, made once and kept (one 0-dim tensor).
+    as gradaccum does.
     """
 
-    def __init__(self, model: nn.Module, steps: int = STEPS, unit: bool = False) -> None:
+    def __init__(self, model: nn.Module, steps: int = STEPS) -> None:
         self.model, self.steps = model, steps
         self.optimizer, self.scheduler = _parts(model)
         self.params = list(model.parameters())
-        self.unit = torch.ones((), device=DEVICE) / steps if unit else None
 
     def run(self, batches: list[Batch]) -> None:
         """Train on ``batches``, one optimizer step per ``steps`` of them."""
@@ -104,8 +102,6 @@ class _HandLoop:
             loss = _loss(self.model, batch)
             if batch[2] is not None:
                 loss.backward()  # type: ignore[no-untyped-call]
-            elif self.unit is not None:
-                loss.backward(self.unit)  # type: ignore[no-untyped-call]
             else:
                 (loss / self.steps).backward()  # type: ignore[no-untyped-call]
             losses.append(loss.detach())
@@ -208,16 +204,14 @@ def test_a_finite_check_syncs_once_per_boundary() -> None:
 @pytest.mark.parametrize("mode", ["mean", "int"])
 def test_peak_memory_is_the_hand_loop_s(mode: str) -> None:
     """A window's peak of allocated memory is the hand loop's, to the byte: gradaccum
-    holds nothing on the GPU beyond what the loop holds (each window's losses; in mean
-    mode the ``1 / steps`` gradient it back-propagates the loss with, which the hand loop
-    here keeps too, in place of dividing each loss: `_HandLoop`).
+    holds nothing on the GPU beyond what the loop holds (each window's losses: `_HandLoop`).
 
     The activations dominate (2 MiB each, all of one size, so that the allocator's
     cache hands out the same blocks on both sides whatever it holds).
     """
     hand, ours = _model(width=1024), _model(width=1024)
     batches = _batches(STEPS, mode, rows=512, vary=False)
-    loop, acc = _HandLoop(hand, unit=mode == "mean"), _accumulator(ours)
+    loop, acc = _HandLoop(hand), _accumulator(ours)
     runs = {"hand": lambda: loop.run(batches), "gradaccum": lambda: _gradaccum(acc, batches)}
     peaks: dict[str, list[int]] = {"hand": [], "gradaccum": []}
     starts: dict[str, list[int]] = {"hand": [], "gradaccum": []}

@@ -283,8 +283,9 @@ def test_a_failed_rank_that_carries_on_is_refused_before_its_forwards_collective
     """Under ``fully_shard`` a rank whose block raised, in a loop that catches it and goes
     on, ran its next forward's all-gather against the other rank's backward collectives:
     gloo aborted both processes (SIGABRT), with no message. Its forwards are now refused
-    before their collectives, and the other rank's next collective fails with the note
-    naming rank 1, then its forwards are refused too; both processes end their loop."""
+    before their collectives, and the other rank's next collective fails with a
+    RankFailedError naming rank 1, then its forwards are refused too; both processes end
+    their loop."""
     rank0, rank1 = run(distributed.caught_and_carried_on, 2, "fully_shard")
     refused = "UsageError: the model's forward was called after "
     assert rank1[0] == "ValueError: a bad batch"
@@ -345,7 +346,7 @@ def test_an_unknown_set_requires_gradient_sync_is_refused_on_several_ranks() -> 
         assert "gradaccum.register_sync_strategy()" in error
     model = distributed.OwnGradientSync(make_model())
     with gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=2) as acc:
-        assert type(acc._block.strategy).__name__ == "LocalSync"
+        assert type(acc._block.arming.strategy).__name__ == "LocalSync"
 
 
 @pytest.mark.parametrize("dropped", [False, True], ids=["closed", "dropped"])

@@ -4,6 +4,8 @@ DDP with two forwards in one microstep."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -12,6 +14,11 @@ from tests.distributed import rank_batches, run
 from tests.helpers import concat, make_model, mean_loss, reference_sgd, windows_of
 
 TOL = 1e-12
+
+# A forward's collective failing because another rank did raises RankFailedError from the
+# backend's error where CPython lets the model's hook replace the error (3.11 and later),
+# the backend's error with the same message as a note on 3.10.
+REPLACED_IN_FORWARD = sys.version_info >= (3, 11) and sys.implementation.name == "cpython"
 
 # (kind, the microbatch whose block raises on rank 1, steps=4): in the second block of
 # window 1 the others next meet in a forward (fully_shard's all-gather) or at the
@@ -33,7 +40,7 @@ def test_a_failing_rank_is_named_under_every_wrapping(
     assert (
         f"rank 0 stopped in {stopped}: KeyError: 'rank 1 fails on purpose'" in survivor["message"]
     )
-    if "rank" in survivor:  # a RankFailedError (not a forward collective's own error)
+    if REPLACED_IN_FORWARD:  # a RankFailedError, also from a forward's collective
         assert (survivor["rank"], survivor["window"], survivor["applied"]) == (1, window, applied)
     peer_window = (index // 4) + 1
     assert f"rank 1 did not apply window {peer_window}" in survivor["message"]
@@ -74,17 +81,27 @@ def test_two_forwards_in_one_microstep_under_ddp() -> None:
 
 
 @pytest.mark.parametrize("kind", ["fully_shard", "fsdp1"])
-def test_a_failure_met_in_a_forward_collective_is_named_in_a_note(kind: str) -> None:
+def test_a_failure_met_in_a_forward_collective_raises_rank_failed_error(kind: str) -> None:
     """Rank 1 fails and leaves; rank 0's next forward runs FSDP's all-gather, outside any
-    gradaccum call, so the collective's own error reaches the loop (the model's class is
-    not changed to wrap its calls): with a note that names rank 1, its window and what
-    it raised, and the accumulator refuses to go on."""
+    gradaccum call, which fails with gloo's own error. The model keeps its class, yet
+    rank 0's ``model(x)`` raises `RankFailedError` naming rank 1, its window and what it
+    raised, from gloo's error (as under DDP, where the failure is met in a block); on
+    Python 3.10 (no C API to replace the error) gloo's error with that message as a
+    note. The accumulator then refuses to go on."""
     survivor, _ = run(edges_distributed.fail_then_leave, 2, kind)
-    assert not survivor["rank_failed"]
-    (note,) = survivor["notes"]
-    assert note.startswith("gradaccum.RankFailedError: rank 0 stopped in window 1 because rank 1")
-    assert "KeyError: 'rank 1 fails on purpose'" in note
-    assert note.endswith("Restart every rank from the last checkpoint")
+    want = "rank 0 stopped in window 1 because rank 1 failed there first: "
+    if REPLACED_IN_FORWARD:
+        assert survivor["rank_failed"], survivor
+        assert survivor["message"].startswith(want + "KeyError: 'rank 1 fails on purpose'")
+        assert survivor["message"].endswith("Restart every rank from the last checkpoint")
+        assert (survivor["rank"], survivor["window"], survivor["applied"]) == (1, 1, False)
+        assert survivor["cause"].startswith("RuntimeError("), survivor["cause"]  # gloo's
+    else:
+        assert not survivor["rank_failed"]
+        (note,) = survivor["notes"]
+        assert note.startswith("gradaccum.RankFailedError: " + want)
+        assert "KeyError: 'rank 1 fails on purpose'" in note
+        assert note.endswith("Restart every rank from the last checkpoint")
     assert "after rank 1 failed" in survivor["refused"]
 
 

@@ -335,3 +335,57 @@ def test_a_plain_model_compiled_with_fullgraph_on_several_ranks_trains() -> None
             "model.compile() before": "global_step 2",
             "torch.compile after": "global_step 2",
         }, rank
+
+
+class _Listener:
+    """A ``failed`` listener that gives ``instead`` (held weakly by the hook: kept here)."""
+
+    def __init__(self, instead: BaseException | None) -> None:
+        self.instead = instead
+        self.seen: list[BaseException] = []
+
+    def failed(self, error: BaseException) -> BaseException | None:
+        self.seen.append(error)
+        return self.instead
+
+
+@pytest.mark.parametrize("replaces", [True, False], ids=["replaced", "noted_as_on_3_10"])
+def test_a_listener_replaces_the_error_of_a_failing_forward(
+    replaces: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forward whose pre-hook fails (as FSDP's all-gather does) raises the error the
+    ``failed`` listener gives, from the forward's own; where CPython cannot replace it
+    (3.10), the forward's own error, with the replacement's message as a note. A listener
+    that gives nothing leaves the error as it was; the model keeps its class."""
+    from gradaccum import hooks
+
+    if not replaces:
+        monkeypatch.setattr(hooks, "_set_handled", None)
+    elif hooks._set_handled is None:
+        pytest.skip("no PyErr_SetHandledException on this Python")
+    model = make_model()
+    found = type(model)
+
+    def collective(module: torch.nn.Module, args: Any) -> None:
+        raise RuntimeError("Connection closed by peer")
+
+    model.register_forward_pre_hook(collective)
+    instead = gradaccum.RankFailedError("rank 1 failed first", 1, 1)
+    listener = _Listener(instead)
+    watching = hooks.watch(model, failed=listener.failed)
+    with pytest.raises(RuntimeError) as caught:
+        model(torch.ones(2, 5, dtype=torch.float64))
+    if replaces:
+        assert caught.value is instead
+        assert isinstance(caught.value.__cause__, RuntimeError)
+        assert str(caught.value.__cause__) == "Connection closed by peer"
+    else:
+        assert str(caught.value) == "Connection closed by peer"
+        assert caught.value.__notes__ == ["gradaccum.RankFailedError: rank 1 failed first"]
+    assert [str(seen) for seen in listener.seen] == ["Connection closed by peer"]
+    listener.instead = None
+    with pytest.raises(RuntimeError, match="Connection closed by peer") as caught:
+        model(torch.ones(2, 5, dtype=torch.float64))
+    assert not isinstance(caught.value, gradaccum.RankFailedError)
+    assert type(model) is found
+    watching.remove()

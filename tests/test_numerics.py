@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -428,21 +429,45 @@ def microstep_ops(
     return ops
 
 
-def test_a_microstep_runs_no_division_of_the_loss() -> None:
-    """Past a window's first microstep (which makes the ``1 / steps`` gradient, once), a
-    mean-mode microstep's backward runs no division and no ``ones_like``: the loss is
-    back-propagated with the kept gradient, not divided by ``steps`` on every microstep."""
-    batches = make_batches([3] * 8)
+def hand_ops(model: torch.nn.Module, loss_of: Any, batch: Any, root_of: Any) -> list[str]:
+    """The aten ops that the hand loop's backward, ``root_of(loss).backward()``, runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops: list[str] = []
+    loss = loss_of(model, batch)
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Recorder():
+        root_of(loss).backward()
+    return ops
+
+
+@pytest.mark.parametrize("items", [False, True], ids=["mean", "num_items"])
+def test_a_microstep_runs_the_hand_loops_backward_op_for_op(items: bool) -> None:
+    """Inside a window a microstep runs exactly the ops of the hand loop's backward,
+    ``(loss / steps).backward()`` (``loss.backward()`` with ``num_items``): no kept
+    gradient and no private entry into the autograd engine, then the loss's value kept
+    (``detach``, for ``step.loss``); at the boundary those ops come first."""
+    steps = 4
     model = make_model()
-    acc = gradaccum.Accumulator(model, sgd(model), steps=4)
-    seen = [microstep_ops(acc, mean_loss(model, batch)) for batch in batches]
-    assert seen[0][:2] == ["ones", "div"]  # the kept gradient is made
-    for ops in seen[1:]:
-        # The hand loop's microstep runs div (the forward's), ones_like, div (its
-        # backward's) before the mean's backward; here the mean's backward comes first.
-        assert ops[:2] == ["expand", "div"]  # (the mean's: it divides by the rows)
-        assert "ones_like" not in ops
-        assert ops.count("div") == 1
+    acc = gradaccum.Accumulator(model, sgd(model), steps=steps)
+    loss_of = sum_loss if items else mean_loss
+    for index, batch in enumerate(make_batches([3] * 8)):
+        twin = copy.deepcopy(model)
+        for mine, theirs in zip(twin.parameters(), model.parameters(), strict=True):
+            mine.grad = None if theirs.grad is None else theirs.grad.clone()
+        hand = hand_ops(twin, loss_of, batch, (lambda x: x) if items else (lambda x: x / steps))
+        loss = loss_of(model, batch)
+        microstep = microstep_ops(acc, loss, len(batch[0]) if items else None)
+        expected = [*hand, "detach"]
+        if index % steps == steps - 1:
+            assert microstep[: len(expected)] == expected
+        else:
+            assert microstep == expected
 
 
 def test_a_loss_that_is_not_a_plain_real_tensor_is_divided_as_before() -> None:
@@ -507,19 +532,6 @@ def test_item_mode_is_bitwise_the_hand_loops_backward(
     with and without a GradScaler."""
     batches = make_batches([3, 5, 2] * 3, dtype=dtype)
     assert_bitwise_the_hand_loop(batches, dtype, init_scale, steps, items=True)
-
-
-def test_an_item_microstep_makes_no_ones() -> None:
-    """Past the first microstep, which makes the ones a backward starts from, an item-mode
-    microstep runs no ``ones_like``: the kept ones are used."""
-    batches = make_batches([3] * 8)
-    model = make_model()
-    acc = gradaccum.Accumulator(model, sgd(model), steps=4)
-    seen = [microstep_ops(acc, sum_loss(model, batch), len(batch[0])) for batch in batches]
-    assert "ones_like" in seen[0]
-    for ops in seen[1:]:
-        assert "ones_like" not in ops
-        assert "ones" not in ops
 
 
 @pytest.mark.parametrize("items", [False, True])

@@ -575,6 +575,28 @@ class TestEpochPlanResume:
         plan.hand_out(12, 4, 0)
         assert not plan.resumes_run
 
+    def test_a_checkpoint_says_the_refusal_of_the_run_it_resumes(self) -> None:
+        """A checkpoint that resumes a run past its start (a position, an epoch completed, or
+        a microbatch handed out) says the refusal of the epoch's iterable (that of the last
+        epoch, between epochs), which each begin() sets; one at the run's start, or after a
+        load before an epoch began (its iterable not seen yet), says none."""
+        plan = EpochPlan(drop_last=True)
+        plan.begin(13, 4, refusal="refused")
+        assert plan.refused_resume(0) is None  # the epoch's start: a fresh run
+        plan.hand_out(12, 4, 0)
+        assert plan.refused_resume(0) == "refused"  # at the top of the loop body
+        plan.pending = False  # its microstep
+        assert (plan.refused_resume(0), plan.refused_resume(1)) == (None, "refused")
+        plan.end(completed=True)
+        assert plan.refused_resume(0) == "refused"  # between epochs
+        plan.begin(13, 4)
+        assert plan.refused_resume(0) is None  # an iterable refused by none
+        plan.end(completed=False)
+        plan.begin(13, 4, refusal="refused")
+        plan.end(completed=False)
+        plan.load(4, 0, epochs_completed=1)
+        assert plan.refused_resume(4) is None
+
 
 class TestEpochPlanBegin:
     def test_refuses_nesting(self) -> None:

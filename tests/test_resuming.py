@@ -627,7 +627,26 @@ LOADERS: dict[str, tuple[Callable[[Dataset[Any]], Any], str]] = {
         lambda data: StatefulDataLoader(data, shuffle=True, num_workers=2, persistent_workers=True),
         "exact",
     ),
+    "a plain DataLoader": (lambda data: DataLoader(data, shuffle=True), "exact"),
 }
+
+
+def workers_seed_refusal(source: str) -> str:
+    """What a resumed run over a persistent loader whose order and workers' seed are drawn
+    from ``source`` is refused with: the cause and the fix."""
+    return (
+        "the DataLoader has persistent_workers=True and draws its order from the "
+        f"generator its workers' seed is drawn from ({source}): a DataLoader "
+        "draws that seed when it starts its workers, so a resumed run draws it where "
+        "the uninterrupted run did not, and shuffles every epoch from here on "
+        "differently. Give the sampler a generator of its own, seeded at each "
+        "epoch's start: DataLoader(data, sampler=RandomSampler(data, "
+        "generator=order), generator=torch.Generator(), persistent_workers=True, "
+        "...), or pass persistent_workers=False"
+    )
+
+
+SAVED_REFUSED = "a run resumed from this state is refused when its first epoch begins: "
 
 
 class TestPersistentWorkers:
@@ -655,25 +674,66 @@ class TestPersistentWorkers:
             where = f"step {run.acc.global_step}" if run.acc.position else "epoch"
             saves.setdefault(where, run.save())
 
-        resumes.train(resumes.Run("persistent, shared"), checkpoint)
+        with pytest.warns(gradaccum.GradaccumWarning, match=re.escape(SAVED_REFUSED)):
+            resumes.train(resumes.Run("persistent, shared"), checkpoint)
         for where in ("step 2", "epoch", "step 4"):
             run = resumes.Run("persistent, shared").load(saves[where])
             epoch = run.acc.epochs_completed
             with pytest.raises(gradaccum.ConfigError) as caught:
                 next(iter(run.acc.epoch(run.iterable(epoch))))
-            assert str(caught.value) == (
-                "the DataLoader has persistent_workers=True and draws its order from the "
-                "generator its workers' seed is drawn from (its generator): a DataLoader "
-                "draws that seed when it starts its workers, so a resumed run draws it where "
-                "the uninterrupted run did not, and shuffles every epoch from here on "
-                "differently. Give the sampler a generator of its own, seeded at each "
-                "epoch's start: DataLoader(data, sampler=RandomSampler(data, "
-                "generator=order), generator=torch.Generator(), persistent_workers=True, "
-                "...), or pass persistent_workers=False"
-            ), where
+            assert str(caught.value) == workers_seed_refusal("its generator"), where
             fresh = torch.Generator().manual_seed(resumes.SEED + epoch)
             assert torch.equal(run.generator.get_state(), fresh.get_state()), where
             assert run.acc.epochs_completed == epoch
+
+    def test_a_state_it_refuses_is_warned_about_when_saved(self) -> None:
+        """The same run's state_dict() at every checkpoint (after each window and epoch, and
+        at the top of the loop body of each window's first microbatch, the run's first
+        included: position 0, handed out) warns once, at the line that called it, that a
+        resume from it is refused, with the refusal's cause and fix. A state saved before
+        the first epoch resumes no run (the refusal does not apply to it): not warned about
+        (a warning fails the test)."""
+        said: list[tuple[str, str, bool]] = []
+
+        def save(run: resumes.Run) -> None:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", gradaccum.GradaccumWarning)
+                line = sys._getframe().f_lineno + 1
+                run.acc.state_dict()
+            for warning in caught:
+                said.append((str(warning.message), warning.filename, warning.lineno == line))
+
+        run = resumes.Run("persistent, shared")
+        run.acc.state_dict()
+        resumes.train(run, save, top=save)
+        expected = SAVED_REFUSED + workers_seed_refusal("its generator")
+        saves = len(resumes.CHECKPOINTS) + len(resumes.TOPS)
+        assert said == [(expected, __file__, True)] * saves
+
+    @pytest.mark.parametrize("name", list(LOADERS))
+    def test_a_state_is_warned_about_exactly_where_its_resume_is_refused(self, name: str) -> None:
+        """A state saved after the epoch's first window (which resumes a run) is warned
+        about exactly where the resumed run would be refused (the order drawn from the
+        generator of the workers' seed), with the same cause and fix; not where it resumes,
+        exactly or warned about then (a warning fails the test)."""
+        make, outcome = LOADERS[name]
+        loader = make(TensorDataset(torch.zeros(16, 1)))
+        model, acc = fresh(drop_last=True)
+        for _ in acc.epoch(loader):
+            with acc.microstep(sum(param.sum() for param in model.parameters())) as step:
+                pass
+            if step.boundary:
+                break
+        if outcome in ("exact", "warned"):
+            state = acc.state_dict()
+        else:
+            with pytest.warns(gradaccum.GradaccumWarning) as caught:
+                state = acc.state_dict()
+            refused = SAVED_REFUSED + workers_seed_refusal(outcome)
+            assert [str(warning.message) for warning in caught] == [refused]
+            assert caught[0].filename == __file__
+        assert (state["position"], state["global_step"]) == (4, 1)
+        acc.close()
 
     @pytest.mark.parametrize(
         ("name", "outcome"), [(name, out) for name, (_, out) in LOADERS.items()]

@@ -99,6 +99,15 @@ def a_resumed_persistent_loader_without_a_generator() -> None:
         break
 
 
+def a_state_whose_resume_is_refused() -> None:
+    _, _, acc = build()
+    data = TensorDataset(*BATCHES[0])
+    loader = DataLoader(data, shuffle=True, num_workers=2, persistent_workers=True)
+    for _batch in acc.epoch(loader):
+        acc.state_dict()  # the user's line: at the top of the loop body, handed out
+        break
+
+
 def an_unknown_wrapper() -> None:
     model = UnknownWrapper()
     gradaccum.Accumulator(model, sgd(model), steps=2)  # the user's line
@@ -113,6 +122,7 @@ CASES: list[tuple[Callable[[], None], str]] = [
     (a_second_accumulator_takes_over, "closed the previous Accumulator"),
     (an_unknown_wrapper, "which gradaccum does not know"),
     (a_resumed_persistent_loader_without_a_generator, "persistent_workers=True and no generator"),
+    (a_state_whose_resume_is_refused, "a run resumed from this state is refused"),
 ]
 
 
