@@ -133,7 +133,7 @@ def test_a_model_converted_between_windows_is_normalized_in_its_new_dtype() -> N
 
 # What users mutate between windows, against the float64 reference --------------------
 
-_MUTATIONS = ("head", "swap", "replace", "remove", "toggle", "convert")
+_MUTATIONS = ("head", "swap", "replace", "append", "remove", "toggle", "convert")
 
 
 class _Parts(torch.nn.Module):
@@ -157,8 +157,9 @@ class _Parts(torch.nn.Module):
 def _mutate(what: str, model: _Parts, optimizers: list[torch.optim.Optimizer], seed: int) -> None:
     """Change, between windows, what a user's loop changes: a head added with
     ``add_param_group``, a group swapped by ``pop`` and ``add_param_group`` (a fresh head),
-    ``group["params"]`` replaced, a head removed from its group's list in place, a
-    parameter's ``requires_grad`` toggled, or the head converted to the other dtype."""
+    ``group["params"]`` replaced, a head appended to or removed from a group's list in
+    place, a parameter's ``requires_grad`` toggled, or the head converted to the other
+    dtype."""
     last = optimizers[-1]
 
     def fresh() -> torch.nn.Parameter:
@@ -184,6 +185,8 @@ def _mutate(what: str, model: _Parts, optimizers: list[torch.optim.Optimizer], s
     elif what == "replace":
         group = optimizers[0].param_groups[0]
         group["params"] = [*group["params"], fresh()]
+    elif what == "append":
+        last.param_groups[0]["params"].append(fresh())
     elif what == "toggle":
         model.head.bias.requires_grad_(not model.head.bias.requires_grad)
     else:
