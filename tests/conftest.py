@@ -1,8 +1,10 @@
 """Hypothesis profiles: the default one runs in CI; ``--hypothesis-profile=long`` runs
 many more examples (hours, for a soak before a release). Neither has a deadline or the
 ``too_slow`` health check: on a loaded 2-core machine generating an input can take a
-second, and a test must not fail for load alone. A one-rank process group for the tests
-that build real DDP and fully_shard modules in this process."""
+second, and a test must not fail for load alone. A test's time limit (pytest-timeout's)
+that fires says that the machine was too slow and how long the test waited, and is never
+taken by hypothesis for a failure of the example it was running. A one-rank process
+group for the tests that build real DDP and fully_shard modules in this process."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 from hypothesis import HealthCheck, settings
+
+from tests.timeouts import pytest_timeout_set_timer  # noqa: F401  (a hook: pytest finds it here)
 
 _UNHURRIED = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
 settings.register_profile("default", **_UNHURRIED)
