@@ -45,7 +45,6 @@ from hypothesis.stateful import (
     initialize,
     invariant,
     rule,
-    run_state_machine_as_test,
 )
 from torch import nn
 
@@ -788,15 +787,23 @@ MACHINE_SETTINGS = settings(
 
 
 # Every GradaccumWarning is checked against the contract (`warnings_checked`).
-@pytest.mark.filterwarnings("error::gradaccum.GradaccumWarning")
-@pytest.mark.parametrize("chunk", range(CHUNKS))
-def test_random_loops_agree_with_the_contract(chunk: int) -> None:
-    """CHUNK random call sequences (`AccumulatorMachine`): after every call the
-    accumulator agrees with the float64 contract or refuses the call unchanged."""
-    run_state_machine_as_test(AccumulatorMachine, settings=MACHINE_SETTINGS)
+pytestmark = pytest.mark.filterwarnings("error::gradaccum.GradaccumWarning")
+
+
+def chunk_of_sequences(index: int) -> type:
+    """The test class that runs the ``index``-th CHUNK sequences: after every call the
+    accumulator agrees with the float64 contract or refuses the call unchanged. (A
+    class of the machine's own TestCase, for ``--hypothesis-show-statistics``.)"""
+    return type(f"TestChunk{index}", (AccumulatorMachine.TestCase,), {"settings": MACHINE_SETTINGS})
+
+
+for _index in range(CHUNKS):
+    globals()[f"TestChunk{_index}"] = chunk_of_sequences(_index)
 
 
 def test_the_sequences_add_up_to_the_budget() -> None:
     """The chunks run 3,000 sequences in the default profile, all of a larger one's."""
+    chunks = [name for name in globals() if name.startswith("TestChunk")]
+    assert len(chunks) == CHUNKS
     assert CHUNKS * CHUNK >= EXAMPLES >= 3_000
     assert (CHUNKS - 1) * CHUNK < EXAMPLES
