@@ -15,6 +15,7 @@ import pytest
 import torch.distributed as dist
 from hypothesis import HealthCheck, settings
 
+from tests.tiers import QUICK, SLOW
 from tests.timeouts import pytest_timeout_set_timer  # noqa: F401  (a hook: pytest finds it here)
 
 _UNHURRIED = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
@@ -32,3 +33,11 @@ def process_group(tmp_path: Path) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark ``slow`` the tests `tests.tiers.SLOW` names but those it keeps quick: the
+    quick tier leaves them out."""
+    for item in items:
+        if item.nodeid.startswith(SLOW) and not item.nodeid.startswith(QUICK):
+            item.add_marker(pytest.mark.slow)

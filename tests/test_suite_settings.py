@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 from hypothesis import HealthCheck, settings
+
+from tests import test_state_machine
+from tests.tiers import QUICK, SLOW
 
 
 def test_default_profile_is_unhurried() -> None:
@@ -76,3 +81,54 @@ def test_a_time_limit_that_fires_says_the_machine_was_too_slow(tmp_path: Path) -
     assert "the machine was too slow (load average" in out, out
     for replayed in ("Flaky", "Inconsistent", "Unreliable", "Falsifying"):
         assert replayed not in out, out
+
+
+def tests_of(path: Path) -> set[str]:
+    """The names of ``path``'s tests: its ``test_*`` functions and ``Test*`` classes (and
+    the state machine's chunks, classes it makes in a loop)."""
+    tree = ast.parse(path.read_text())
+    chunks = {name for name in vars(test_state_machine) if name.startswith("TestChunk")}
+    return (
+        (chunks if path.name == "test_state_machine.py" else set())
+        | {
+            node.name
+            for node in tree.body
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef))
+            and node.name.startswith(("test_", "Test"))
+        }
+        | {
+            target.id  # TestMachine = Machine.TestCase
+            for node in tree.body
+            if isinstance(node, ast.Assign)
+            for target in node.targets
+            if isinstance(target, ast.Name) and target.id.startswith("Test")
+        }
+    )
+
+
+def named_in(entries: tuple[str, ...], *, whole: bool = False) -> dict[str, set[str]]:
+    """The tests each entry names, by module (an empty name: the whole module); with
+    ``whole``, only the entries that name all of a test's cases."""
+    named: dict[str, set[str]] = {}
+    for entry in entries:
+        module, _, rest = entry.partition("::")
+        if not (whole and "[" in rest):
+            named.setdefault(module, set()).add(re.split(r"[\[:]", rest)[0])
+    return named
+
+
+def test_the_quick_tier_runs_every_module() -> None:
+    """``-m "not slow"`` leaves no test module out: each has a test that `SLOW` does not
+    name, or that `QUICK` keeps; and each name in them begins the name of a test that
+    exists (a renamed test is not left in the quick tier unnoticed)."""
+    root = Path(__file__).resolve().parent.parent
+    slow, quick, wholly_slow = named_in(SLOW), named_in(QUICK), named_in(SLOW, whole=True)
+    modules = {f"tests/{path.name}": tests_of(path) for path in root.glob("tests/test_*.py")}
+    assert len(modules) > 50
+    assert set(slow) | set(quick) <= set(modules)
+    for module, tests in modules.items():
+        prefixes = tuple(wholly_slow.get(module, ()))
+        left = {test for test in tests if not test.startswith(prefixes)}
+        assert left | quick.get(module, set()), f"{module}: the quick tier runs none of it"
+        for name in (slow.get(module, set()) - {""}) | quick.get(module, set()):
+            assert any(test.startswith(name) for test in tests), (module, name)
