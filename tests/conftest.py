@@ -15,8 +15,13 @@ import pytest
 import torch.distributed as dist
 from hypothesis import HealthCheck, settings
 
+from gradaccum.testing import ranks
 from tests.tiers import QUICK, SLOW
 from tests.timeouts import pytest_timeout_set_timer  # noqa: F401  (a hook: pytest finds it here)
+
+# What the rank launcher's server imports once rather than each rank of each launch:
+# torch._dynamo costs a rank about 0.7 s of CPU, paid again by every launch that compiles.
+ranks._PRELOAD.extend(["torch._dynamo", "tests.distributed"])
 
 _UNHURRIED = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
 settings.register_profile("default", **_UNHURRIED)
