@@ -83,7 +83,7 @@ def test_a_time_limit_that_fires_says_the_machine_was_too_slow(tmp_path: Path) -
         assert replayed not in out, out
 
 
-def tests_of(path: Path) -> set[str]:
+def module_tests(path: Path) -> set[str]:
     """The names of ``path``'s tests: its ``test_*`` functions and ``Test*`` classes (and
     the state machine's chunks, classes it makes in a loop)."""
     tree = ast.parse(path.read_text())
@@ -123,7 +123,7 @@ def test_the_quick_tier_runs_every_module() -> None:
     exists (a renamed test is not left in the quick tier unnoticed)."""
     root = Path(__file__).resolve().parent.parent
     slow, quick, wholly_slow = named_in(SLOW), named_in(QUICK), named_in(SLOW, whole=True)
-    modules = {f"tests/{path.name}": tests_of(path) for path in root.glob("tests/test_*.py")}
+    modules = {f"tests/{path.name}": module_tests(path) for path in root.glob("tests/test_*.py")}
     assert len(modules) > 50
     assert set(slow) | set(quick) <= set(modules)
     for module, tests in modules.items():
