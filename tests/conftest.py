@@ -1,5 +1,6 @@
 """Hypothesis profiles: the default one runs in CI; ``--hypothesis-profile=long`` runs
-many more examples (hours, for a soak before a release). Neither has a deadline or the
+many more examples (hours, for a soak before a release), ``--hypothesis-profile=quick``
+fewer, with the quick tier (``-m "not slow"``, tests/tiers.py). None has a deadline or the
 ``too_slow`` health check: on a loaded 2-core machine generating an input can take a
 second, and a test must not fail for load alone. A test's time limit (pytest-timeout's)
 that fires says that the machine was too slow and how long the test waited, and is never
@@ -26,6 +27,7 @@ ranks._PRELOAD.extend(["torch._dynamo", "tests.distributed"])
 _UNHURRIED = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
 settings.register_profile("default", **_UNHURRIED)
 settings.register_profile("long", max_examples=50_000, **_UNHURRIED)
+settings.register_profile("quick", max_examples=10, **_UNHURRIED)
 settings.load_profile("default")
 
 

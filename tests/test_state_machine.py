@@ -772,18 +772,28 @@ class AccumulatorMachine(RuleBasedStateMachine):
 
 
 # A few thousand sequences in CI, the "long" profile's count when it asks for more: run
-# in chunks of CHUNK sequences, each its own test (a few seconds on an idle machine, far
-# inside the suite's per-test time limit even on a loaded one), so the budget is a count of
-# sequences, never a time. Each chunk is a search of its own, from its own random seed.
+# in chunks, each its own test (a few seconds on an idle machine, far inside the suite's
+# per-test time limit even on a loaded one), so the budget is a count of sequences, never
+# a time. The first chunk is small, for the quick tier (tests/tiers.py); the others take
+# CHUNK each, the last what is left. Each chunk is a search of its own, from its own
+# random seed.
 EXAMPLES = max(3_000, settings.default.max_examples)
-CHUNK = 300
-CHUNKS = -(-EXAMPLES // CHUNK)
-MACHINE_SETTINGS = settings(
-    max_examples=CHUNK,
-    stateful_step_count=30,
-    suppress_health_check=[HealthCheck.too_slow],
-    deadline=None,
-)
+FIRST = 30
+CHUNK = 330
+SIZES = [FIRST] + [
+    min(CHUNK, EXAMPLES - FIRST - start) for start in range(0, EXAMPLES - FIRST, CHUNK)
+]
+CHUNKS = len(SIZES)
+
+
+def machine_settings(examples: int) -> settings:
+    """The settings of a chunk of ``examples`` sequences of up to 30 calls."""
+    return settings(
+        max_examples=examples,
+        stateful_step_count=30,
+        suppress_health_check=[HealthCheck.too_slow],
+        deadline=None,
+    )
 
 
 # Every GradaccumWarning is checked against the contract (`warnings_checked`).
@@ -791,10 +801,12 @@ pytestmark = pytest.mark.filterwarnings("error::gradaccum.GradaccumWarning")
 
 
 def chunk_of_sequences(index: int) -> type:
-    """The test class that runs the ``index``-th CHUNK sequences: after every call the
-    accumulator agrees with the float64 contract or refuses the call unchanged. (A
-    class of the machine's own TestCase, for ``--hypothesis-show-statistics``.)"""
-    return type(f"TestChunk{index}", (AccumulatorMachine.TestCase,), {"settings": MACHINE_SETTINGS})
+    """The test class that runs the ``index``-th chunk's ``SIZES[index]`` sequences: after
+    every call the accumulator agrees with the float64 contract or refuses the call
+    unchanged. (A class of the machine's own TestCase, for
+    ``--hypothesis-show-statistics``.)"""
+    chunk = {"settings": machine_settings(SIZES[index])}
+    return type(f"TestChunk{index}", (AccumulatorMachine.TestCase,), chunk)
 
 
 for _index in range(CHUNKS):
@@ -803,7 +815,8 @@ for _index in range(CHUNKS):
 
 def test_the_sequences_add_up_to_the_budget() -> None:
     """The chunks run 3,000 sequences in the default profile, all of a larger one's."""
-    chunks = [name for name in globals() if name.startswith("TestChunk")]
-    assert len(chunks) == CHUNKS
-    assert CHUNKS * CHUNK >= EXAMPLES >= 3_000
-    assert (CHUNKS - 1) * CHUNK < EXAMPLES
+    chunks = [globals()[name] for name in globals() if name.startswith("TestChunk")]
+    assert [chunk.settings.max_examples for chunk in chunks] == SIZES
+    assert sum(SIZES) == EXAMPLES >= 3_000
+    assert max(SIZES) == CHUNK
+    assert min(SIZES) > 0

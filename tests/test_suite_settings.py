@@ -30,6 +30,15 @@ def test_long_profile_is_unhurried_too() -> None:
     assert HealthCheck.too_slow in long.suppress_health_check
 
 
+def test_quick_profile_is_unhurried_too() -> None:
+    """The quick tier's profile (``--hypothesis-profile=quick``, for development) asks for
+    fewer examples, with the same leniency; the default profile keeps its count."""
+    quick = settings.get_profile("quick")
+    assert quick.max_examples == 10 < settings.get_profile("default").max_examples
+    assert quick.deadline is None
+    assert HealthCheck.too_slow in quick.suppress_health_check
+
+
 SLOW_PROPERTY = """
 import time
 
