@@ -1,7 +1,8 @@
-"""The quick tier, ``python -m pytest -q -m "not slow"``: the tests `SLOW` names (node-id
-prefixes: a whole module, a test, or some of its cases) are marked ``slow`` and left out,
-but those `QUICK` names, so that each test module still runs at least once: its pure
-tests, and one launch of real ranks or one subprocess where that is all it has.
+"""The quick tier, ``python -m pytest -q -m "not slow" --hypothesis-profile=quick``: the
+tests `SLOW` names (node-id prefixes: a whole module, a test, or some of its cases; the
+ones that launch ranks or a subprocess, and the heaviest of the rest) are marked ``slow``
+and left out, but those `QUICK` names, so that each test module still runs at least once:
+its other tests, or one launch of real ranks or one subprocess where that is all it has.
 tests/conftest.py marks them; tests/test_suite_settings.py checks that every module keeps
 a quick test and that every name here exists."""
 
