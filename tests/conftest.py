@@ -1,8 +1,11 @@
 """Hypothesis profiles: the default one runs in CI; ``--hypothesis-profile=long`` runs
-many more examples (hours, for a soak before a release). Neither has a deadline or the
+many more examples (hours, for a soak before a release), ``--hypothesis-profile=quick``
+fewer, with the quick tier (``-m "not slow"``, tests/tiers.py). None has a deadline or the
 ``too_slow`` health check: on a loaded 2-core machine generating an input can take a
-second, and a test must not fail for load alone. A one-rank process group for the tests
-that build real DDP and fully_shard modules in this process."""
+second, and a test must not fail for load alone. A test's time limit (pytest-timeout's)
+that fires says that the machine was too slow and how long the test waited, and is never
+taken by hypothesis for a failure of the example it was running. A one-rank process
+group for the tests that build real DDP and fully_shard modules in this process."""
 
 from __future__ import annotations
 
@@ -13,9 +16,18 @@ import pytest
 import torch.distributed as dist
 from hypothesis import HealthCheck, settings
 
+from gradaccum.testing import ranks
+from tests.tiers import QUICK, SLOW
+from tests.timeouts import pytest_timeout_set_timer  # noqa: F401  (a hook: pytest finds it here)
+
+# What the rank launcher's server imports once rather than each rank of each launch:
+# torch._dynamo costs a rank about 0.7 s of CPU, paid again by every launch that compiles.
+ranks._PRELOAD.extend(["torch._dynamo", "tests.distributed"])
+
 _UNHURRIED = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
 settings.register_profile("default", **_UNHURRIED)
 settings.register_profile("long", max_examples=50_000, **_UNHURRIED)
+settings.register_profile("quick", max_examples=10, **_UNHURRIED)
 settings.load_profile("default")
 
 
@@ -28,3 +40,11 @@ def process_group(tmp_path: Path) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark ``slow`` the tests `tests.tiers.SLOW` names but those it keeps quick: the
+    quick tier leaves them out."""
+    for item in items:
+        if item.nodeid.startswith(SLOW) and not item.nodeid.startswith(QUICK):
+            item.add_marker(pytest.mark.slow)

@@ -28,7 +28,10 @@ from tests.helpers import (
     sum_loss,
 )
 
-PROCESS_GROUP_TIMEOUT = 30.0  # seconds: a rank stuck in a collective fails, not hangs
+# Seconds a rank may wait in a collective before it fails instead of hanging; a rank that
+# has not answered twice this long after every rank started is killed. The longest
+# launch takes about 6 s on 2 idle cores: 10 times that, so load alone fails nothing.
+PROCESS_GROUP_TIMEOUT = 60.0
 
 
 def run(scenario: Callable[..., Any], world: int, *args: Any, **kwargs: Any) -> list[Any]:

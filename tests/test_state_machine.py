@@ -771,21 +771,52 @@ class AccumulatorMachine(RuleBasedStateMachine):
             assert math.isclose(group["lr"], contract.lrs[name], rel_tol=1e-14)
 
 
-# A few thousand sequences in CI; the "long" profile's count when it asks for more.
+# A few thousand sequences in CI, the "long" profile's count when it asks for more: run
+# in chunks, each its own test (a few seconds on an idle machine, far inside the suite's
+# per-test time limit even on a loaded one), so the budget is a count of sequences, never
+# a time. The first chunk is small, for the quick tier (tests/tiers.py); the others take
+# CHUNK each, the last what is left. Each chunk is a search of its own, from its own
+# random seed.
 EXAMPLES = max(3_000, settings.default.max_examples)
-AccumulatorMachine.TestCase.settings = settings(
-    max_examples=EXAMPLES,
-    stateful_step_count=30,
-    suppress_health_check=[HealthCheck.too_slow],
-    deadline=None,
-)
-
-
-# Every GradaccumWarning is checked against the contract (`warnings_checked`). The time
-# limit grows with the examples asked for (about 15 ms each here), so that the "long"
-# profile is not cut off by the suite's 300 s per-test timeout.
-pytestmark = [
-    pytest.mark.filterwarnings("error::gradaccum.GradaccumWarning"),
-    pytest.mark.timeout(max(300, EXAMPLES // 10)),
+FIRST = 30
+CHUNK = 330
+SIZES = [FIRST] + [
+    min(CHUNK, EXAMPLES - FIRST - start) for start in range(0, EXAMPLES - FIRST, CHUNK)
 ]
-TestAccumulatorMachine = AccumulatorMachine.TestCase
+CHUNKS = len(SIZES)
+
+
+def machine_settings(examples: int) -> settings:
+    """The settings of a chunk of ``examples`` sequences of up to 30 calls."""
+    return settings(
+        max_examples=examples,
+        stateful_step_count=30,
+        suppress_health_check=[HealthCheck.too_slow],
+        deadline=None,
+    )
+
+
+# Every GradaccumWarning is checked against the contract (`warnings_checked`).
+pytestmark = pytest.mark.filterwarnings("error::gradaccum.GradaccumWarning")
+
+
+def chunk_of_sequences(index: int) -> type:
+    """The test class that runs the ``index``-th chunk's ``SIZES[index]`` sequences: after
+    every call the accumulator agrees with the float64 contract or refuses the call
+    unchanged. (A class of the machine's own TestCase, for
+    ``--hypothesis-show-statistics``.)"""
+    chunk = {"settings": machine_settings(SIZES[index])}
+    return type(f"TestChunk{index}", (AccumulatorMachine.TestCase,), chunk)
+
+
+for _index in range(CHUNKS):
+    globals()[f"TestChunk{_index}"] = chunk_of_sequences(_index)
+
+
+def test_the_sequences_add_up_to_the_budget() -> None:
+    """The chunks run 3,000 sequences in the default profile, all of a larger one's."""
+    chunks = [globals()[name] for name in globals() if name.startswith("TestChunk")]
+    assert [chunk.settings.max_examples for chunk in chunks] == SIZES
+    assert sum(SIZES) == EXAMPLES >= 3_000
+    assert max(SIZES) == CHUNK
+    assert min(SIZES) > 0
