@@ -30,7 +30,17 @@ class Arming:
             (`SyncStrategy.overridden`).
     """
 
-    __slots__ = ("armed", "arms", "every", "look", "model", "refusing", "strategy", "watching")
+    __slots__ = (
+        "__weakref__",  # (the model's hook holds its listeners weakly: hooks.py)
+        "armed",
+        "arms",
+        "every",
+        "look",
+        "model",
+        "refusing",
+        "strategy",
+        "watching",
+    )
 
     def __init__(self, model: nn.Module, strategy: SyncStrategy, every: bool) -> None:
         self.model = model

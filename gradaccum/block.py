@@ -37,6 +37,7 @@ __all__ = ["Microstep", "check_items", "owners_of"]
 # The block of the open accumulator that steps each optimizer, and that sets the sync
 # state of each wrapper (`SyncStrategy.wrappers`): one at a time (`owners_of`).
 _owners: weakref.WeakKeyDictionary[Any, Microstep] = weakref.WeakKeyDictionary()
+_OPEN = State.OPEN  # (read at every block's exit: a global, not the enum's attribute)
 
 
 def owners_of(things: Iterable[Any]) -> list[Microstep]:
@@ -204,17 +205,6 @@ class Microstep:
             )
             raise UsageError(msg)
 
-    def backward(self, loss: torch.Tensor, by_items: bool) -> None:
-        """Back-propagate ``loss`` as the hand loop does: ``(loss / divisor).backward()`` in
-        mean mode (the window's size when it opened), ``loss.backward()`` with ``num_items``
-        or a divisor of 1, through the scaler when there is one."""
-        divisor = self.window.divisor
-        root = loss if by_items or divisor == 1 else loss / divisor
-        scaler = self.options.scaler
-        if scaler is not None:
-            root = scaler.scale(root)
-        root.backward()  # type: ignore[no-untyped-call]
-
     def __enter__(self) -> Step:
         loss = self.loss
         if loss is None:
@@ -223,7 +213,9 @@ class Microstep:
         self.loss = None
         window, grads, num_items = self.window, self.grads, self.num_items
         window.in_block = True
-        self.plan.back_propagated()
+        plan = self.plan
+        if plan.active:  # (a microstep outside the epoch uses no microbatch of it)
+            plan.pending = False
         # The window's partial gradient, watched since the last backward (none before a
         # window's first): a version-counter compare, and a look only when it moved.
         param = grads.param
@@ -243,7 +235,12 @@ class Microstep:
                     _warn_overridden(window, arming.strategy, actual)
             if not window.done:
                 window.open(num_items is not None)
-            self.backward(loss, num_items is not None)
+            # As the hand loop: (loss / divisor).backward() in mean mode (the window's size
+            # when it opened), loss.backward() with num_items, through the scaler.
+            divisor = window.divisor
+            root = loss if num_items is not None or divisor == 1 else loss / divisor
+            scaler = self.options.scaler
+            (root if scaler is None else scaler.scale(root)).backward()  # type: ignore[no-untyped-call]
             # The value only, not the graph (freed now); `.data` is the loss's detached
             # alias, made without a dispatch.
             window.losses.append(loss.data)
@@ -251,14 +248,16 @@ class Microstep:
                 window.items.append(num_items)
             if window.done != window.last:
                 if param is not None:
-                    grads.seen()
+                    grads.version = grads.grad._version  # type: ignore[union-attr]
+                    if grads.rest:
+                        grads.update()
                 elif arming.strategy.grads_in_params:
                     grads.start(self.params.first(), self.params.watched())
                 return self.step
             self.step = step = self.boundary()
         except BaseException as error:
             window.in_block = False
-            self.busy = self.life.state is not State.OPEN
+            self.busy = self.life.state is not _OPEN
             _note_backward_already(error)
             failed = self.fail(error, in_collectives=True)
             if failed is not None:
@@ -269,7 +268,7 @@ class Microstep:
     def __exit__(self, _: object, error: BaseException | None, *__: object) -> None:
         window = self.window
         window.in_block = False
-        self.busy = self.life.state is not State.OPEN
+        self.busy = self.life.state is not _OPEN
         step = self.step
         if error is not None:
             if step.boundary and self.options.scaler is not None:
@@ -298,7 +297,8 @@ class Microstep:
             alone = not several
         else:
             divisor = len(losses)
-            boundary.rescale(listed, window)
+            if window.divisor != window.size:  # an epoch that ended sooner than planned
+                boundary.rescale(listed, window)
             alone = options.global_loss and not several  # (else global_loss is the ranks')
             if options.global_loss and several:
                 totals = boundary.global_mean(window, ranks)
@@ -364,7 +364,8 @@ class Microstep:
         self.window.reset(self.counts.steps)
         self.step = step = Step()
         step.global_step = self.counts.global_step
-        self.arm()
+        if self.arming.arms:
+            self.arm()
 
     def drop_window(self) -> None:
         """Drop the window: clear its gradient and state, so that the next microstep starts
@@ -432,7 +433,7 @@ class Microstep:
             )
             return
         window.in_block = False
-        self.busy = self.life.state is not State.OPEN
+        self.busy = self.life.state is not _OPEN
         msg = (
             f"the gradient of this window's first {window.done} microsteps was cleared "
             "since the last one, by optimizer.zero_grad() or model.zero_grad() inside the "

@@ -74,12 +74,10 @@ class GradWatch:
         else:
             self.stop()
 
-    def seen(self) -> None:
-        """After a later backward, which accumulated into the watched gradients: their
-        versions now."""
-        self.version = self.grad._version  # type: ignore[union-attr]
-        if self.rest:
-            self.rest = [(param, grad, grad._version) for param, grad, _ in self.rest]
+    def update(self) -> None:
+        """After a later backward, which accumulated into the watched gradients: the
+        versions of those after the first (whose version `gradaccum.block` reads inline)."""
+        self.rest = [(param, grad, grad._version) for param, grad, _ in self.rest]
 
     def change(self) -> Change | None:
         """What happened to the watched gradients since the last backward: one dropped,

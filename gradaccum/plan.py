@@ -216,12 +216,6 @@ class EpochPlan:
         self.position += 1
         self.pending = True
 
-    def back_propagated(self) -> None:
-        """The microbatch handed out last reached its microstep (a microstep outside the
-        epoch uses no microbatch of it)."""
-        if self.active:
-            self.pending = False
-
     def window_size(self, steps: int, done: int) -> int:
         """The size of the window that the microbatch handed out last belongs to, ``done``
         microsteps into it: ``steps``, or fewer where the epoch ends before (unless the
