@@ -210,19 +210,32 @@ def scale_grads(params: list[torch.Tensor], factor: float | torch.Tensor) -> Non
     The factor reaches the multiply in float64 for float64 gradients and in float32
     otherwise, never rounded to the gradient's own dtype first: float16 would turn the
     inverse of an item total into a subnormal (or the total above 65504 into inf). The
-    gradients are grouped by device and dtype as they are now (a model converted in part
-    between windows is seen at once).
+    gradients' dtypes (and, for a tensor factor, devices) are read as they are now, so a
+    model converted in part between windows is seen at once; a Python float needs no
+    device, and float32 and float64 gradients take it as it is.
     """
     kinds: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    if isinstance(factor, float):
+        wide: list[torch.Tensor] = []
+        for param in params:
+            grad = param.grad
+            if grad is not None:
+                if grad.dtype in _WIDE:
+                    wide.append(grad)
+                else:
+                    kinds.setdefault((grad.device, grad.dtype), []).append(grad)
+        if wide:
+            torch._foreach_mul_(wide, factor)  # (a Python scalar: multiplied in the dtype)
+        for (device, _), grads in kinds.items():
+            torch._foreach_mul_(grads, torch.full((), factor, dtype=torch.float32, device=device))
+        return
     for param in params:
         grad = param.grad
         if grad is not None:
             kinds.setdefault((grad.device, grad.dtype), []).append(grad)
     for (device, dtype), grads in kinds.items():
-        wide = torch.float64 if dtype == torch.float64 else torch.float32
-        if not isinstance(factor, float):  # a tensor (read cheaply: a float as a rule)
-            torch._foreach_mul_(grads, factor.to(device=device, dtype=wide))
-        elif dtype is wide:
-            torch._foreach_mul_(grads, factor)  # a Python scalar: multiplied in the dtype
-        else:
-            torch._foreach_mul_(grads, torch.full((), factor, dtype=wide, device=device))
+        wide_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        torch._foreach_mul_(grads, factor.to(device=device, dtype=wide_dtype))
+
+
+_WIDE = (torch.float32, torch.float64)  # (a Python scalar factor is exact in these)
