@@ -80,9 +80,8 @@ def save(run: Training, path: Path) -> None:
         "scheduler": run.scheduler.state_dict(),
         "acc": run.acc.state_dict(),  # position, global_step, epochs_completed, ...
         "random": gradaccum.random_state(),  # dropout; each rank saves its own
+        "loader": gradaccum.loader_state(run.loader),  # None: the accumulator skips
     }
-    if hasattr(run.loader, "state_dict"):  # a loader that restores its own position
-        state["loader"] = run.loader.state_dict()
     torch.save(state, path)
 
 
@@ -93,7 +92,7 @@ def load(run: Training, path: Path) -> None:
     run.optimizer.load_state_dict(state["optimizer"])
     run.scheduler.load_state_dict(state["scheduler"])
     run.acc.load_state_dict(state["acc"])
-    if "loader" in state and run.acc.position:  # mid-epoch: it resumes where it stood
+    if state["loader"] is not None and run.acc.position:  # mid-epoch: it resumes where it stood
         run.loader.load_state_dict(state["loader"])
     gradaccum.set_random_state(state["random"])
 

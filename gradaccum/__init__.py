@@ -12,6 +12,7 @@ from gradaccum.errors import (
     UsageError,
 )
 from gradaccum.order import GlobalOrder
+from gradaccum.resuming import loader_state
 from gradaccum.rng import random_state, set_random_state
 from gradaccum.schedule import (
     interval,
@@ -40,6 +41,7 @@ __all__ = [
     "__version__",
     "add_arguments",
     "interval",
+    "loader_state",
     "no_sync",
     "random_state",
     "register_sync_strategy",

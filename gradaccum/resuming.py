@@ -40,6 +40,7 @@ from gradaccum.order import GlobalOrder
 __all__ = [
     "check_workers_seed",
     "global_order",
+    "loader_state",
     "restores_own_position",
     "resumed",
     "workers_seed_refusal",
@@ -75,6 +76,44 @@ def restores_own_position(iterable: object) -> bool:
     return callable(getattr(iterable, "state_dict", None)) and callable(
         getattr(iterable, "load_state_dict", None)
     )
+
+
+def loader_state(loader: object) -> dict[str, Any] | None:
+    """The state to save for ``loader`` in a checkpoint, or None when it has none to save.
+
+    A loader that keeps its own position (torchdata's ``StatefulDataLoader``, Accelerate's
+    prepared loader over one) gives its ``state_dict()``: load it back into the fresh
+    loader when resuming mid-epoch. Any other loader gives None: the accumulator skips
+    the trained microbatches for it. Accelerate's prepared loader over a plain
+    ``DataLoader`` has a ``state_dict`` method that raises ``AttributeError``; it gives
+    None here.
+
+    Args:
+        loader: The iterable the loop passes to ``acc.epoch``: a DataLoader, a prepared
+            or stateful one, a list.
+
+    Returns:
+        ``loader.state_dict()`` for a loader that restores its own position, else None.
+
+    Raises:
+        ConfigTypeError: ``loader`` is None or an iterator (``iter(loader)``), whose state
+            is not the loader's.
+
+    Example:
+        >>> from torch.utils.data import DataLoader
+        >>> loader_state(DataLoader(range(8), batch_size=2)) is None
+        True
+    """
+    if loader is None or isinstance(loader, Iterator):
+        msg = (
+            f"loader must be the iterable you pass to acc.epoch(), got {describe(loader)}; "
+            f"pass the loader itself, not None or an iterator over it"
+        )
+        raise ConfigTypeError(msg)
+    if not restores_own_position(loader):
+        return None
+    state = loader.state_dict()  # type: ignore[attr-defined]
+    return dict(state)
 
 
 def global_order(iterable: object, length: int | None, world_size: int) -> GlobalOrder | None:

@@ -241,6 +241,7 @@ CALLS: dict[str, tuple[Callable[..., Any], str]] = {
     "Accumulator.close": (gradaccum.Accumulator.close, "acc.close("),
     "add_arguments": (gradaccum.add_arguments, "add_arguments("),
     "interval": (gradaccum.interval, "interval("),
+    "loader_state": (gradaccum.loader_state, "loader_state("),
     "no_sync": (gradaccum.no_sync, "no_sync("),
     "register_sync_strategy": (gradaccum.register_sync_strategy, "register_sync_strategy("),
     "random_state": (gradaccum.random_state, "random_state("),

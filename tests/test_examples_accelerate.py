@@ -1,9 +1,13 @@
 """examples/accelerate_loop.py: the Migration page's Accelerate section followed line by
-line, ``accelerator.prepare`` kept, on 2 processes against the float64 big batch."""
+line, ``accelerator.prepare`` kept, on 1 and 2 processes against the float64 big batch;
+and in the same launch, the Checkpoint page's recipe on the prepared objects, stopped
+mid-epoch and resumed bit for bit over a plain and a stateful DataLoader."""
 
 from __future__ import annotations
 
+import functools
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,12 +23,18 @@ RESULT = re.compile(
 )
 
 
+@functools.cache
+def launched(nproc: int) -> subprocess.CompletedProcess[str]:
+    """One launch of the example per number of processes, shared by the tests below."""
+    return torchrun(ROOT / "examples" / "accelerate_loop.py", nproc)
+
+
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_the_prepared_loop_is_exact_and_steps_its_schedule_once_per_window(nproc: int) -> None:
     """On 1 and 2 processes: the prepared scheduler steps once per window (Accelerate's
     own would step twice a window on 2), and the parameters match one float64 big batch
     per window of every process's microbatches."""
-    result = torchrun(ROOT / "examples" / "accelerate_loop.py", nproc)
+    result = launched(nproc)
     assert result.returncode == 0, result.stderr
     found = RESULT.search(result.stdout)
     assert found is not None, result.stdout
@@ -33,3 +43,16 @@ def test_the_prepared_loop_is_exact_and_steps_its_schedule_once_per_window(nproc
     assert int(windows) == 2 * (160 // 4 // nproc // 4)  # two epochs of the shard's windows
     assert scheduled == windows
     assert float(gap) < 1e-12
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_the_checkpoint_recipe_resumes_a_prepared_loader_bit_for_bit(nproc: int) -> None:
+    """The Checkpoint page's recipe on the migrated script (its loader prepared by
+    Accelerate, its state saved through ``gradaccum.loader_state``): over a plain
+    DataLoader, whose prepared ``state_dict()`` raised AttributeError, and over a
+    StatefulDataLoader, a run stopped after a mid-epoch checkpoint and resumed by fresh
+    objects from each process's file ends bit for bit where the uninterrupted run ends.
+    It shares the launch of the test above (the results are cached per ``nproc``)."""
+    result = launched(nproc)
+    assert result.returncode == 0, result.stderr
+    assert "resumed bit for bit: plain DataLoader True, stateful True" in result.stdout

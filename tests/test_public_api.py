@@ -37,6 +37,7 @@ def test_exports_are_pinned() -> None:
         "__version__",
         "add_arguments",
         "interval",
+        "loader_state",
         "no_sync",
         "random_state",
         "register_sync_strategy",
