@@ -214,28 +214,25 @@ def scale_grads(params: list[torch.Tensor], factor: float | torch.Tensor) -> Non
     model converted in part between windows is seen at once; a Python float needs no
     device, and float32 and float64 gradients take it as it is.
     """
+    scalar = isinstance(factor, float)
+    wide: list[torch.Tensor] = []  # (float32 and float64 gradients, for a Python float)
     kinds: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    if isinstance(factor, float):
-        wide: list[torch.Tensor] = []
-        for param in params:
-            grad = param.grad
-            if grad is not None:
-                if grad.dtype in _WIDE:
-                    wide.append(grad)
-                else:
-                    kinds.setdefault((grad.device, grad.dtype), []).append(grad)
-        if wide:
-            torch._foreach_mul_(wide, factor)  # (a Python scalar: multiplied in the dtype)
-        for (device, _), grads in kinds.items():
-            torch._foreach_mul_(grads, torch.full((), factor, dtype=torch.float32, device=device))
-        return
     for param in params:
         grad = param.grad
-        if grad is not None:
+        if grad is None:
+            continue
+        if scalar and grad.dtype in _WIDE:
+            wide.append(grad)
+        else:
             kinds.setdefault((grad.device, grad.dtype), []).append(grad)
+    if wide:
+        torch._foreach_mul_(wide, factor)  # (a Python scalar: multiplied in the dtype)
     for (device, dtype), grads in kinds.items():
-        wide_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        torch._foreach_mul_(grads, factor.to(device=device, dtype=wide_dtype))
+        exact = torch.float64 if dtype == torch.float64 else torch.float32
+        if isinstance(factor, float):
+            torch._foreach_mul_(grads, torch.full((), factor, dtype=exact, device=device))
+        else:
+            torch._foreach_mul_(grads, factor.to(device=device, dtype=exact))
 
 
 _WIDE = (torch.float32, torch.float64)  # (a Python scalar factor is exact in these)
