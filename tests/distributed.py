@@ -656,7 +656,8 @@ def distributed_example(rank: int, world: int, *argv: str) -> str:
     per rank."""
     path = Path(__file__).resolve().parents[1] / "examples" / "distributed.py"
     spec = importlib.util.spec_from_file_location("distributed_example", path)
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
+    assert spec.loader is not None
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     printed = io.StringIO()

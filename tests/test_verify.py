@@ -86,7 +86,7 @@ def test_verify_table_fits_100_columns_and_ends_in_the_verdict(
     """The default table of those rows: no line over 100 columns, whole collective counts
     per window with the one-time collectives apart, and a last line that says in words
     that all held."""
-    fields = {name for name in verify.Row.__dataclass_fields__}
+    fields = set(verify.Row.__dataclass_fields__)
     rows = [verify.Row(**{k: v for k, v in row.items() if k in fields}) for row in printed_rows]
     lines = verify.report(rows, "cpu").splitlines()
     assert max(len(line) for line in lines) <= verify.WIDTH == 100
