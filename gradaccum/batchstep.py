@@ -43,7 +43,7 @@ def run(started: Microstep, model: nn.Module, batch: object, loss_fn: LossFn) ->
         if not isinstance(done[0], Step):  # ran out of memory, on this rank or another one
             agreed, rank = done
             number = started.counts.global_step + 1
-            started.drop_window()
+            started.discard_window()
             kept.restore()  # type: ignore[union-attr]  # (only under "auto" does a try return)
             memory.release()
             if agreed == 0:

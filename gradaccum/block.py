@@ -411,6 +411,12 @@ class Microstep:
         self.stepper.clear()
         self.next_window()
 
+    def discard_window(self) -> None:
+        """Drop the window, on every rank at once, to re-run it: its gradient cleared, its
+        state reset, and whatever its forwards prepared in the wrapper forgotten."""
+        self.arming.strategy.discard()
+        self.drop_window()
+
     def unplanned_window(self) -> None:
         """Outside an epoch, a window that has not started takes ``steps`` microsteps: a
         trailing window's size, planned for the epoch, does not carry over."""

@@ -414,6 +414,12 @@ def refuse_auto(strategy: SyncStrategy, ranks: int, sync: SyncPolicy) -> None:
     elif sync == "every":
         where = "sync='every' all-reduces the gradient in every microstep's backward"
         fix = "pass sync='auto' (the all-reduce in the window's last backward alone)"
+    elif strategy.decides_in_forward and not getattr(strategy, "can_discard", lambda: False)():
+        where = (
+            "its forward prepares the all-reduce of a backward that a discarded window never "
+            "runs, and this torch has no reducer reset (Reducer._reset_state) to forget it"
+        )
+        fix = "wrap the model in DistributedDataParallel itself, or pass a fixed microbatch=<rows>"
     else:
         return
     msg = (

@@ -16,19 +16,9 @@ from torch import nn
 
 import gradaccum
 from gradaccum.cutting import cut
-from tests.helpers import make_batches, make_model
+from tests.helpers import POINTS, items_fn, make_batches, make_model, mean_fn, oom_at
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-def mean_fn(model: nn.Module, batch: Batch) -> torch.Tensor:
-    x, y = batch
-    return (model(x) - y).square().mean()
-
-
-def items_fn(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, int]:
-    x, y = batch
-    return (model(x) - y).square().sum(), len(x)
 
 
 def big_batch(rows: int, seed: int = 1) -> Batch:
@@ -158,37 +148,6 @@ class TestTheWindow:
         _, plain = parts(steps=2)
         with pytest.raises(gradaccum.UsageError, match="has steps=2"):
             plain.step(big_batch(4), mean_fn)
-
-
-def oom_at(point: str, limit: int, fn: Callable[..., Any] = mean_fn) -> Callable[..., Any]:
-    """``fn``, raising torch.OutOfMemoryError in the forward or the backward of the window's
-    first, second or last microbatch whenever the microbatches are over ``limit`` rows (the
-    microbatch's place is read from where its rows start in the batch)."""
-    where, phase = point.split("-")
-
-    def raise_oom(*_: object) -> None:
-        raise torch.OutOfMemoryError("injected: CUDA out of memory")
-
-    def loss_fn(model: nn.Module, batch: Batch) -> Any:
-        x, y = batch
-        rows, start = len(x), x.storage_offset() // x.stride(0)
-        last = start + rows == x.untyped_storage().nbytes() // (x.element_size() * x.stride(0))
-        hit = {"first": start == 0, "middle": start == rows and not last, "last": last}[where]
-        if not (hit and rows > limit):
-            return fn(model, batch)
-        if phase == "forward":
-            raise_oom()
-        hidden = model[0](x)
-        hidden.register_hook(raise_oom)
-        errors = (model[2](model[1](hidden)) - y).square()
-        return (errors.sum(), rows) if fn is items_fn else errors.mean()
-
-    return loss_fn
-
-
-POINTS = [
-    f"{where}-{phase}" for where in ("first", "middle", "last") for phase in ("forward", "backward")
-]
 
 
 class TestOutOfMemory:

@@ -11,6 +11,7 @@ from __future__ import annotations
 # Modules whose tests launch real ranks or a subprocess each.
 _SLOW_MODULES = (
     "test_accumulator_distributed",
+    "test_batchstep_distributed",
     "test_cross_distributed",
     "test_distributed",
     "test_edges_distributed",
@@ -71,6 +72,7 @@ SLOW: tuple[str, ...] = (
 QUICK: tuple[str, ...] = (
     "tests/test_state_machine.py::TestChunk0::",
     "tests/test_accumulator_distributed.py::test_zero_grad_in_a_window_is_each_ranks_own_refusal_under_ddp",
+    "tests/test_batchstep_distributed.py::test_auto_is_refused_where_a_forward_communicates",
     "tests/test_cross_distributed.py::test_the_reference_cuts_windows_as_documented",
     "tests/test_distributed.py::test_no_sync_keeps_the_gradient_local",
     "tests/test_edges_distributed.py::test_two_forwards_in_one_microstep_under_ddp",
