@@ -32,6 +32,7 @@ SLOW: tuple[str, ...] = (
     "tests/test_docs.py::test_code_blocks_run[distributed.md]",
     "tests/test_docs.py::test_code_blocks_run[testing.md]",
     "tests/test_edges.py::test_a_compiled_training_step",
+    "tests/test_memory.py::test_a_real_allocation_failure_re_runs_the_window_at_half",
     "tests/test_epoch.py::test_boundaries_are_announced_before_each_forward",
     "tests/test_examples_accelerate.py::test_the_prepared_loop_is_exact_and_steps_its_schedule_once_per_window[2]",
     "tests/test_examples_muon.py::test_it_is_bit_for_bit_the_hand_written_loop[1]",
