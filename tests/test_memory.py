@@ -62,3 +62,21 @@ def test_a_real_allocation_failure_re_runs_the_window_at_half() -> None:
     assert found["microbatch"] == found["step_microbatch"] <= 1024
     assert found["equal_to_fixed"]
     assert found["off_reference"] < 1e-12
+
+
+def test_the_gpu_script_imports_and_says_without_cuda_that_it_checks_nothing(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """benchmarks/gpu_oom.py (run by benchmarks/run_gpu_checks.sh on a GPU) imports on the
+    CPU, parses its arguments and exits 0 saying it checked nothing."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_oom", ROOT / "benchmarks" / "gpu_oom.py")
+    assert spec is not None
+    assert spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: benchmarks/run_gpu_checks.sh runs the script")
+    assert script.main(["--rows", "64", "--width", "32"]) == 0
+    assert "no CUDA device" in capsys.readouterr().out
