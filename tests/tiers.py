@@ -25,6 +25,13 @@ SLOW: tuple[str, ...] = (
     *(f"tests/{module}.py::" for module in _SLOW_MODULES),
     "tests/test_state_machine.py::TestChunk",  # but its first: 30 sequences
     "tests/test_accumulator.py::TestItemNormalizationInFloat16::test_a_window_of_80000_items_in_float16",
+    # (the item-mode cases of each point; the distributed module holds them at every point too)
+    "tests/test_batchstep.py::TestOutOfMemory::test_a_window_re_runs_smaller_into_the_small_microbatch_run[first-forward-items]",
+    "tests/test_batchstep.py::TestOutOfMemory::test_a_window_re_runs_smaller_into_the_small_microbatch_run[first-backward-items]",
+    "tests/test_batchstep.py::TestOutOfMemory::test_a_window_re_runs_smaller_into_the_small_microbatch_run[middle-forward-items]",
+    "tests/test_batchstep.py::TestOutOfMemory::test_a_window_re_runs_smaller_into_the_small_microbatch_run[middle-backward-items]",
+    "tests/test_batchstep.py::TestOutOfMemory::test_a_window_re_runs_smaller_into_the_small_microbatch_run[last-forward-items]",
+    "tests/test_batchstep.py::TestOutOfMemory::test_a_window_re_runs_smaller_into_the_small_microbatch_run[last-backward-items]",
     "tests/test_benchmark_gpu.py::test_a_failing_row_is_reported_and_the_next_runs",
     "tests/test_cli.py::test_help_from_the_command_line",
     "tests/test_docs.py::test_api_page_shows_step_fields_not_its_constructor",  # mkdocs build
