@@ -4,12 +4,10 @@ where microbatch="auto" is refused, and the cost of a flag all-reduce."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import gradaccum
@@ -158,16 +156,3 @@ def unrecoverable(rank: int, world: int) -> dict[str, Any]:
     except gradaccum.OutOfMemoryError as error:  # rank 1: leave, as a failed rank does
         raise RuntimeError(f"{error} [rank={error.rank} microbatch={error.microbatch}]") from None
     return outcome
-
-
-def flag_cost(rank: int, world: int, repeats: int = 400) -> float:
-    """Seconds per all-reduce of a one-element flag read on the host (what Composer runs
-    before each FSDP unit's all-gather with auto microbatching), on these gloo ranks."""
-    flag = torch.zeros(1, dtype=torch.uint8)
-    for _ in range(20):
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    started = time.perf_counter()
-    for _ in range(repeats):
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        flag.item()
-    return (time.perf_counter() - started) / repeats

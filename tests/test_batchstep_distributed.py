@@ -6,8 +6,6 @@ wrappings whose forward communicates refuse microbatch="auto" up front."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -96,12 +94,10 @@ def test_what_cannot_be_re_run_fails_on_both_ranks_naming_rank_1() -> None:
     """Microbatches of one row running out on rank 1: OutOfMemoryError on both ranks,
     naming rank 1 and microbatch 1, nothing applied, and the next window trains on both.
     Then rank 1's last backward runs out after rank 0's all-reduce began: rank 1 raises
-    OutOfMemoryError (microbatch 8, restart with 4), rank 0 RankFailedError naming it, well
-    before the process group's timeout, its parameters unchanged."""
-    started = time.monotonic()
+    OutOfMemoryError (microbatch 8, restart with 4), rank 0 RankFailedError naming it (not
+    its collective's timeout), its parameters unchanged."""
     with pytest.raises(LaunchError) as caught:
         run_ranks(batchstep_distributed.unrecoverable, 2, timeout=distributed.PROCESS_GROUP_TIMEOUT)
-    assert time.monotonic() - started < distributed.PROCESS_GROUP_TIMEOUT
     assert list(caught.value.failures) == [1]
     failed = caught.value.failures[1]
     assert "rank 1 ran out of memory in the backward of the last microbatch of window 2" in failed
@@ -119,11 +115,3 @@ def test_what_cannot_be_re_run_fails_on_both_ranks_naming_rank_1() -> None:
     assert "OutOfMemoryError: rank 1 ran out of memory in the backward" in message
     assert outcome["unchanged"]
     assert outcome["global_step"] == 1
-
-
-def test_what_a_flag_all_reduce_costs() -> None:
-    """Measures, does not judge: a one-element flag all-reduced and read on the host, as
-    Composer does before every FSDP unit's all-gather, takes some microseconds on gloo."""
-    costs = run(batchstep_distributed.flag_cost, 2)
-    print(f"flag all-reduce on 2 gloo ranks: {max(costs) * 1e6:.0f} us")
-    assert all(cost > 0 for cost in costs)
