@@ -464,3 +464,29 @@ def test_plain_collectives_count_by_kind() -> None:
             "functional_all_reduce": {"all_reduce": 1},
             "functional_all_to_all_single": {"all_to_all": 1},
         }
+
+
+def test_an_optimizer_that_averages_inside_its_step_is_judged_on_the_average() -> None:
+    """nanochat's DistAdamW shape (no DDP; step() reduce-scatters or all-reduces each
+    gradient, averages it, steps its slice and all-gathers the parameter): judged on the
+    ranks' mean gradient against a reference that steps the same optimizer as one rank,
+    the exact loop is ok and the report says what it saw; the same optimizer summing
+    without dividing fails on its parameters, with that cause."""
+    for report in checked("dist_adamw"):
+        assert report.ok, report
+        assert report.max_grad_diff <= TOL
+        assert report.reduced_in_step is not None
+        assert report.reduced_in_step.collectives == report.per_window.collectives
+        assert (
+            "  the optimizers average the gradients over the ranks inside step(): judged on "
+            "the averaged gradient, 2 all-gathers + 2 all-reduces + 2 reduce-scatters per "
+            "window, all at the boundary"
+        ) in repr(report).splitlines()
+    for report in checked("dist_adamw_summed"):
+        assert len(report.problems) == 1, report
+        assert report.problems[0].startswith("parameters off the float64 big-batch reference")
+        assert report.problems[0].endswith(
+            ": the optimizers' step() applies the sum of the 2 ranks' gradients (a copy "
+            "stepped with 2x their mean lands on the trainer's parameters); does it reduce "
+            "them without dividing by the 2 ranks?"
+        )

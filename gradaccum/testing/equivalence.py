@@ -11,6 +11,7 @@ and the collectives of each window. One call, one report to assert on.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -160,6 +161,12 @@ class AccumulationReport:
             parameters' (``"float32"``) where make_model's model and the loss do not run
             in float64 (they cast to a fixed dtype, ``x.float()``); the tolerance is the
             trainer's dtype's either way.
+        amplified: Where the parameters' gap is the optimizer's response to rounding, the
+            gap of a copy stepped with the trainer's own gradients; else None.
+        reduced_in_step: Where the optimizers reduce the gradient over the ranks inside
+            their ``step()`` (nanochat's DistAdamW, ZeRO-style optimizers: no DDP), what a
+            window usually ran there; the gradient compared is then the ranks' mean, and
+            the reference steps its optimizers in a world of one rank. None otherwise.
     """
 
     steps: int
@@ -185,6 +192,7 @@ class AccumulationReport:
     computed: str | None = None
     reference: str = "float64"
     amplified: float | None = None
+    reduced_in_step: Counts | None = None
 
     @property
     def ok(self) -> bool:
@@ -238,9 +246,24 @@ class AccumulationReport:
                 if self.amplified is not None
                 else []
             ),
+            *([self._reduced_line()] if self.reduced_in_step is not None else []),
             *(f"  not seen with these batches: {spot}" for spot in self.blind_spots),
         ]
         return "\n".join(lines)
+
+    def _reduced_line(self) -> str:
+        """What the optimizers that reduce inside ``step()`` ran there, per window."""
+        inside = self.reduced_in_step or Counts()
+        ran = " + ".join(in_words(n, kind) for kind, n in inside.collectives.items())
+        where = (
+            "all at the boundary"
+            if dict(inside.collectives) == dict(self.per_window.collectives)
+            else f"of the window's {self.per_window}"
+        )
+        return (
+            "  the optimizers average the gradients over the ranks inside step(): judged on "
+            f"the averaged gradient, {ran} per window, {where}"
+        )
 
 
 def check_accumulation(
@@ -633,6 +656,9 @@ class _Run:
     # Off the reference, its gradients on it: the gap to the optimizer stepped with the
     # trainer's own gradients (`_replayed`); None where not asked or not seen.
     replayed: float | None = None
+    # The optimizers reduce inside step(): what a window ran there; None where not.
+    reduced_in_step: Counts | None = None
+    summed: bool = False  # their step applies the ranks' sum: a copy stepped so lands
 
 
 def _run_on_rank(rank: int, world: int, setup: _Setup) -> _Run:
@@ -674,6 +700,7 @@ def _run(setup: _Setup, rank: int) -> _Run:
 
     def window_closed() -> None:
         counter.end_window()
+        observed.end_window()
         with counter.paused():  # gathering shards to compare them is not training
             after.append(full_params(wrapped))
 
@@ -703,6 +730,11 @@ def _run(setup: _Setup, rank: int) -> _Run:
     tolerance = setup.tolerance
     if tolerance is None:
         tolerance = _TOLERANCES.get(lowest, _LOW_PRECISION_TOLERANCE)
+    world = len(setup.batches)
+    reduced = world > 1 and _reduced_in_step(observed, counter.counts)
+    if reduced:
+        observed.average_over_ranks([param.shape for param in start])
+        reference.alone = _world_of_one()
     windows = list(reference.windows(observed.hyperparameters))
     worst, where = 0.0, None
     for index, (got, want) in enumerate(zip(after, windows, strict=False)):
@@ -725,6 +757,13 @@ def _run(setup: _Setup, rank: int) -> _Run:
     replayed = None  # (every gradient on the reference, the parameters not)
     if not worst <= tolerance and grad_diff <= tolerance and not observed.norm_only:
         replayed = reference.replayed(start, observed, after)
+    # An optimizer that sums the ranks' gradients in step(): stepped so from the trainer's
+    # own (averaged) gradients, a copy lands on its parameters; each window's gradient
+    # after the first is then read at parameters already off, and is no cause.
+    summed = reduced and not worst <= tolerance
+    summed = summed and reference.replayed(start, observed, after, world) <= tolerance
+    if summed:
+        grad_problem = None
     off = grad_problem is not None or not worst <= tolerance
     drawn = off and not observed.not_per_item and reference.random_forward()
     apart = _ranks_apart(after, tolerance)  # (on every rank: collectives, off or not)
@@ -756,7 +795,40 @@ def _run(setup: _Setup, rank: int) -> _Run:
         bypassed=observed.bypassed,
         reference=str(reference.dtype).removeprefix("torch."),
         replayed=replayed,
+        reduced_in_step=usual(observed.in_step) if reduced else None,
+        summed=summed,
     )
+
+
+def _reduced_in_step(observed: Observed, counts: Counts) -> bool:
+    """Whether every rank's optimizers reduced the gradient inside ``step()``
+    (`Observed.reduced_in_step`): one collective, so that all average, or none."""
+    device = Ranks(dist.group.WORLD, torch.device("cpu")).device
+    flag = torch.tensor([int(observed.reduced_in_step(counts))], device=device)
+    dist.all_reduce(flag, dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _world_of_one() -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """A context in which the default process group is this rank's alone, so that an
+    optimizer that reduces over the ranks inside ``step()`` (``dist.all_reduce(grad)``,
+    ``dist.get_world_size()``) steps the reference as on one process: its averaging is
+    then checked, not repeated on every rank's copy of the same gradient. (torch keeps
+    the default group in ``distributed_c10d._world``, which has no public setter.)"""
+    from torch.distributed import distributed_c10d
+
+    alone = dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True)
+    state: Any = distributed_c10d._world
+
+    @contextlib.contextmanager
+    def inside() -> Iterator[None]:
+        world, state.default_pg = state.default_pg, alone
+        try:
+            yield
+        finally:
+            state.default_pg = world
+
+    return inside
 
 
 def _ranks_apart(after: list[list[torch.Tensor]], tolerance: float) -> int | None:
@@ -1003,6 +1075,8 @@ class _Reference:
 
     def __init__(self, setup: _Setup, start: list[torch.Tensor], fallback: torch.dtype) -> None:
         self.setup = setup
+        # Where the optimizers step: as they are, or in a world of one (`_world_of_one`).
+        self.alone: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
         self.model = setup.make_model().to("cpu", torch.float64)
         params = list(self.model.parameters())
         shapes = [tuple(p.shape) for p in params]
@@ -1103,12 +1177,16 @@ class _Reference:
         return [_grad_of(param) for param in self.model.parameters()]
 
     def replayed(
-        self, start: list[torch.Tensor], observed: Observed, after: list[list[torch.Tensor]]
+        self,
+        start: list[torch.Tensor],
+        observed: Observed,
+        after: list[list[torch.Tensor]],
+        scale: float = 1.0,
     ) -> float:
         """The largest gap between the trainer's parameters after each window and those
         of the reference's optimizers stepped from ``start`` with the gradients the
-        trainer's steps saw, at the hyperparameters they held. Leaves the model there;
-        read after `windows`.
+        trainer's steps saw (times ``scale``), at the hyperparameters they held. Leaves
+        the model there; read after `windows`.
 
         Where the trainer's gradients match the reference's and its parameters do not,
         this tells what the optimizer made of their rounding-level differences: Adam's
@@ -1125,10 +1203,11 @@ class _Reference:
             self.model.zero_grad(set_to_none=True)
             for step in grads:
                 for position, grad in step.items():
-                    params[position].grad = None if grad is None else grad.to(self.dtype)
+                    params[position].grad = None if grad is None else grad.to(self.dtype) * scale
             for optimizer, groups in zip(optimizers, held, strict=True):
                 apply_hyperparameters(optimizer, groups, index)
-                optimizer.step()
+                with self.alone():
+                    optimizer.step()
             for mine, theirs in zip(got, params, strict=True):
                 worst = max(worst, gap(mine, cpu64(theirs)))
         return worst
@@ -1153,7 +1232,8 @@ class _Reference:
             for optimizer, seen in zip(optimizers, hyperparameters, strict=True):
                 if step < len(seen):
                     apply_hyperparameters(optimizer, seen[step], step)
-                optimizer.step()
+                with self.alone():
+                    optimizer.step()
             yield _Window([cpu64(param) for param in params], grad, raw)
 
 
@@ -1239,9 +1319,16 @@ def _merge(setup: _Setup, runs: list[_Run]) -> AccumulationReport:
         and not (run.replayed is not None and run.replayed <= first.tolerance)
         for run in runs
     ):
+        summed = (
+            f": the optimizers' step() applies the sum of the {len(runs)} ranks' gradients "
+            f"(a copy stepped with {len(runs)}x their mean lands on the trainer's "
+            f"parameters); does it reduce them without dividing by the {len(runs)} ranks?"
+            if any(run.summed for run in runs)
+            else ""
+        )
         problems.append(
             f"parameters off the {first.reference} big-batch reference by {worst:.1e} after window "
-            f"{where} (tolerance {first.tolerance:.0e})"
+            f"{where} (tolerance {first.tolerance:.0e}){summed}"
         )
         amplified = []
     for kind, count in setup.expect_collectives.items():
@@ -1313,6 +1400,7 @@ def _merge(setup: _Setup, runs: list[_Run]) -> AccumulationReport:
         computed=first.computed,
         reference=first.reference,
         amplified=max(amplified) if amplified else None,
+        reduced_in_step=first.reduced_in_step,
     )
 
 

@@ -20,8 +20,9 @@ import torch
 from torch import nn
 
 from gradaccum.errors import ConfigError
+from gradaccum.ranks import Ranks
 from gradaccum.sync import full_tensor, unwrap
-from gradaccum.testing.counting import CollectiveCounter
+from gradaccum.testing.counting import CollectiveCounter, Counts
 
 __all__ = [
     "Gradient",
@@ -81,6 +82,8 @@ def _fsdp1_grad_norm(model: nn.Module) -> float:
     return math.sqrt(total)
 
 
+# The collectives that reduce a gradient over the ranks (an all-gather only shares one).
+_REDUCING = ("all_reduce", "reduce_scatter", "reduce")
 _LOOKS = 3  # training forwards whose graph is looked at: a precision is the same in each
 _NODES = 100_000  # autograd nodes looked at in one graph, at most
 
@@ -190,6 +193,9 @@ class Observed:
         bypassed: Under DDP, the training forwards of the module inside it that ran
             outside DDP's forward (``model.module(x)``, or a method of the inner module
             that calls it), whose backward DDP does not all-reduce.
+        in_step: Per window, the collectives that ran inside the optimizers' ``step()``
+            (`end_window` closes one): an optimizer that reduces the gradient itself,
+            as nanochat's DistAdamW does, runs its reductions there.
     """
 
     def __init__(
@@ -225,6 +231,9 @@ class Observed:
         self.bypassed = 0
         self._inside = 0  # the wrapper's forwards running now
         self._inner = _inside_ddp(model)
+        self.in_step: list[Counts] = []
+        self._stepping = Counts()  # the open window's, so far
+        self._before = Counts()  # the counts as the step being run began
         self._hooks = ExitStack()
 
     @property
@@ -236,6 +245,7 @@ class Observed:
         for index, optimizer in enumerate(self._optimizers):
             hook = optimizer.register_step_pre_hook(functools.partial(self._read, index))
             self._hooks.callback(hook.remove)
+            self._hooks.callback(optimizer.register_step_post_hook(self._stepped).remove)
         self._hooks.callback(self._model.register_forward_pre_hook(self._forward).remove)
         self._hooks.callback(
             self._model.register_forward_hook(self._forward_done, always_call=True).remove
@@ -318,6 +328,53 @@ class Observed:
                 self.grads[index].append(self._full_grads(optimizer))
             elif index == 0:
                 self.norms.append(_fsdp1_grad_norm(self._model))
+        self._before = self._counter.counts
+
+    def _stepped(self, *_: object) -> None:
+        self._stepping += self._counter.counts - self._before
+
+    def end_window(self) -> None:
+        """A window closed: what ran inside its steps goes to `in_step`."""
+        self.in_step.append(self._stepping)
+        self._stepping = Counts()
+
+    def reduced_in_step(self, counts: Counts) -> bool:
+        """The optimizers reduced the gradient over the ranks inside ``step()``, and no
+        backward of the run (``counts``) did: nanochat's DistAdamW and DistMuon,
+        ZeRO-style optimizers, with no DDP around the model. The gradient they are
+        handed is each rank's own."""
+        return any(
+            window.collectives.get(kind) for window in self.in_step for kind in _REDUCING
+        ) and not any(counts.backwards.get(kind) for kind in _REDUCING)
+
+    def average_over_ranks(self, shapes: Sequence[torch.Size]) -> None:
+        """Each step's gradients, on every rank, become their mean over the ranks: what an
+        optimizer that averages them inside ``step()`` applies. Collective: every rank
+        calls it, for the steps every rank made."""
+        import torch.distributed as dist
+
+        device = Ranks(dist.group.WORLD, torch.device("cpu")).device
+        made = torch.tensor(self.steps(), device=device)
+        dist.all_reduce(made, dist.ReduceOp.MIN)
+        found = [
+            (steps[k], position)
+            for steps, n in zip(self.grads, made.tolist(), strict=True)
+            for k in range(n)
+            for position in sorted(steps[k])
+        ]
+        total = flat(
+            [
+                torch.zeros(shapes[i], dtype=torch.float64) if (grad := step[i]) is None else grad
+                for step, i in found
+            ]
+        ).to(device)
+        dist.all_reduce(total)
+        mean = (total / dist.get_world_size()).cpu()
+        start = 0
+        for step, i in found:
+            size = shapes[i].numel()
+            step[i] = mean[start : start + size].reshape(shapes[i])
+            start += size
 
     def _full_grads(self, optimizer: torch.optim.Optimizer) -> dict[int, torch.Tensor | None]:
         found: dict[int, torch.Tensor | None] = {}
