@@ -12,6 +12,7 @@ and the collectives of each window. One call, one report to assert on.
 from __future__ import annotations
 
 import contextlib
+import copy
 import pickle
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -167,6 +168,9 @@ class AccumulationReport:
             their ``step()`` (nanochat's DistAdamW, ZeRO-style optimizers: no DDP), what a
             window usually ran there; the gradient compared is then the ranks' mean, and
             the reference steps its optimizers in a world of one rank. None otherwise.
+        reordered: The trainer's forwards consumed the microbatches in another order
+            than given (a sampler that shuffles them: Hugging Face's Trainer's, by
+            default); the reference cut its windows in the order consumed.
     """
 
     steps: int
@@ -193,6 +197,7 @@ class AccumulationReport:
     reference: str = "float64"
     amplified: float | None = None
     reduced_in_step: Counts | None = None
+    reordered: bool = False
 
     @property
     def ok(self) -> bool:
@@ -247,6 +252,14 @@ class AccumulationReport:
                 else []
             ),
             *([self._reduced_line()] if self.reduced_in_step is not None else []),
+            *(
+                [
+                    "  the trainer consumed the microbatches in another order than given (it "
+                    "shuffles them): the reference cut its windows in the order consumed"
+                ]
+                if self.reordered
+                else []
+            ),
             *(f"  not seen with these batches: {spot}" for spot in self.blind_spots),
         ]
         return "\n".join(lines)
@@ -659,6 +672,7 @@ class _Run:
     # The optimizers reduce inside step(): what a window ran there; None where not.
     reduced_in_step: Counts | None = None
     summed: bool = False  # their step applies the ranks' sum: a copy stepped so lands
+    reordered: bool = False  # the trainer consumed its microbatches in another order
 
 
 def _run_on_rank(rank: int, world: int, setup: _Setup) -> _Run:
@@ -710,12 +724,14 @@ def _run(setup: _Setup, rank: int) -> _Run:
     try:
         with observed, WindowWatch(optimizers, window_closed), counter:
             for _ in range(setup.epochs):
-                observed.new_epoch()
-                # A fresh list each epoch: a loop that shuffles or pops what it is given
-                # in place is checked (its order is then not the reference's: a
-                # gradient off), rather than crashing on a tuple or changing the next
-                # epoch's batches.
-                setup.train(wrapped, made, scheduler, list(setup.batches[rank]))
+                # A copy each epoch: a loop that consumes its batches (torchtune's
+                # ``labels = batch.pop("labels")``) or shuffles the list in place is
+                # checked, as it runs for its users, rather than crashing on a tuple or
+                # on what the previous epoch left. The order its forwards consume them
+                # in is the reference's (`Observed.orders`).
+                given = copy.deepcopy(list(setup.batches[rank]))
+                observed.new_epoch(given)
+                setup.train(wrapped, made, scheduler, given)
     finally:
         for one in schedulers.values():
             del one.step  # its class's step again
@@ -731,6 +747,12 @@ def _run(setup: _Setup, rank: int) -> _Run:
     if tolerance is None:
         tolerance = _TOLERANCES.get(lowest, _LOW_PRECISION_TOLERANCE)
     world = len(setup.batches)
+    n = len(setup.batches[rank])
+    orders: list[Any] = [observed.orders(_trained(n, setup.steps, setup.drop_last))]
+    if world > 1:  # (the reference takes every rank's microbatches)
+        orders = orders * world
+        dist.all_gather_object(orders, orders[0])
+    reference.orders = [list(epoch) for epoch in zip(*orders, strict=True)]
     reduced = world > 1 and _reduced_in_step(observed, counter.counts)
     if reduced:
         observed.average_over_ranks([param.shape for param in start])
@@ -797,6 +819,7 @@ def _run(setup: _Setup, rank: int) -> _Run:
         replayed=replayed,
         reduced_in_step=usual(observed.in_step) if reduced else None,
         summed=summed,
+        reordered=any(order != sorted(order) for epoch in reference.orders for order in epoch),
     )
 
 
@@ -1077,6 +1100,8 @@ class _Reference:
         self.setup = setup
         # Where the optimizers step: as they are, or in a world of one (`_world_of_one`).
         self.alone: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
+        # Per epoch, per rank, the order the trainer consumed the microbatches in.
+        self.orders: list[list[list[int]]] = []
         self.model = setup.make_model().to("cpu", torch.float64)
         params = list(self.model.parameters())
         shapes = [tuple(p.shape) for p in params]
@@ -1128,6 +1153,17 @@ class _Reference:
             for param, value in zip(self.model.parameters(), values, strict=True):
                 param.copy_(value)
 
+    def _at(self, window: int, places: Iterable[int]) -> list[Batch]:
+        """Every rank's microbatches at ``places`` of the epoch of window ``window`` (from
+        0), rank by rank, in the order the trainer consumed that epoch's (`orders`)."""
+        epoch = window * self.setup.epochs // len(self.setup.windows())
+        orders = self.orders[epoch] if self.orders else [None] * len(self.data)
+        return [
+            mine[place if order is None else order[place]]
+            for mine, order in zip(self.data, orders, strict=True)
+            for place in places
+        ]
+
     def random_forward(self) -> bool:
         """Two losses of the first microbatch, at the same parameters, differ: the forward
         draws random numbers (a functional ``F.dropout``, say, which no module shows).
@@ -1154,7 +1190,7 @@ class _Reference:
         window = self.setup.windows()[index]
         for place in range(window.start, min(window.stop + beyond, len(self.data[0]))):
             self.model.zero_grad(set_to_none=True)
-            micro = [mine[place] for mine in self.data]
+            micro = self._at(index, [place])
             _window_loss(self.model, self.setup.loss, micro, self.setup.num_items).backward()  # type: ignore[no-untyped-call]
             found.append([_grad_of(param) for param in params])
         return found
@@ -1172,7 +1208,7 @@ class _Reference:
 
         self._load(at)
         self.model.zero_grad(set_to_none=True)
-        micro = [mine[place] for mine in self.data for place in self.setup.windows()[index]]
+        micro = self._at(index, self.setup.windows()[index])
         _window_loss(self.model, item_mean, micro).backward()  # type: ignore[no-untyped-call]
         return [_grad_of(param) for param in self.model.parameters()]
 
@@ -1217,12 +1253,11 @@ class _Reference:
         hyperparameters the trainer's held at its step of that window (its own
         ``make_optimizer``'s, where the trainer's made fewer steps)."""
         setup = self.setup
-        data = self.data
         _, optimizers = setup.optimizers(self.model.parameters())
         params = list(self.model.parameters())
         for step, window in enumerate(setup.windows()):
             self.model.zero_grad(set_to_none=True)
-            micro = [mine[i] for mine in data for i in window]
+            micro = self._at(step, window)
             big = _window_loss(self.model, setup.loss, micro, setup.num_items)
             big.backward()  # type: ignore[no-untyped-call]  # torch leaves it untyped
             raw = [_grad_of(param) for param in params]
@@ -1401,6 +1436,7 @@ def _merge(setup: _Setup, runs: list[_Run]) -> AccumulationReport:
         reference=first.reference,
         amplified=max(amplified) if amplified else None,
         reduced_in_step=first.reduced_in_step,
+        reordered=any(run.reordered for run in runs),
     )
 
 

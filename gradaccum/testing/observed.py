@@ -193,6 +193,11 @@ class Observed:
         bypassed: Under DDP, the training forwards of the module inside it that ran
             outside DDP's forward (``model.module(x)``, or a method of the inner module
             that calls it), whose backward DDP does not all-reduce.
+        consumed: Per epoch, the microbatches (their indices in the list the epoch was
+            handed) that training forwards ran on, in the order they ran: each forward's
+            first not yet consumed microbatch that holds one of its input tensors (by
+            value: a loader's collate makes new tensors), as a shuffling sampler, Hugging
+            Face's Trainer's by default, orders them.
         in_step: Per window, the collectives that ran inside the optimizers' ``step()``
             (`end_window` closes one): an optimizer that reduces the gradient itself,
             as nanochat's DistAdamW does, runs its reductions there.
@@ -232,6 +237,8 @@ class Observed:
         self._inside = 0  # the wrapper's forwards running now
         self._inner = _inside_ddp(model)
         self.in_step: list[Counts] = []
+        self.consumed: list[list[int]] = []
+        self._batches: list[list[torch.Tensor]] = []  # the epoch's, their tensors each
         self._stepping = Counts()  # the open window's, so far
         self._before = Counts()  # the counts as the step being run began
         self._hooks = ExitStack()
@@ -246,7 +253,9 @@ class Observed:
             hook = optimizer.register_step_pre_hook(functools.partial(self._read, index))
             self._hooks.callback(hook.remove)
             self._hooks.callback(optimizer.register_step_post_hook(self._stepped).remove)
-        self._hooks.callback(self._model.register_forward_pre_hook(self._forward).remove)
+        self._hooks.callback(
+            self._model.register_forward_pre_hook(self._forward, with_kwargs=True).remove
+        )
         self._hooks.callback(
             self._model.register_forward_hook(self._forward_done, always_call=True).remove
         )
@@ -257,18 +266,46 @@ class Observed:
     def __exit__(self, *exc: object) -> None:
         self._hooks.close()
 
-    def new_epoch(self) -> None:
-        """An epoch starts: its first forward is compared with no earlier one."""
+    def new_epoch(self, batches: Sequence[object]) -> None:
+        """An epoch of ``batches`` starts: its first forward is compared with no earlier
+        one, and its forwards are matched with ``batches``."""
         self._rates = None
+        self._batches = [list(_tensors(batch)) for batch in batches]
+        self.consumed.append([])
+
+    def _consume(self, inputs: object) -> None:
+        """Note which of the epoch's microbatches a training forward runs on (`consumed`)."""
+        taken = self.consumed[-1] if self.consumed else None
+        given = [tensor.detach() for tensor in _tensors(inputs)]
+        if taken is None or not given:
+            return
+        with self._counter.paused():
+            for index, held in enumerate(self._batches):
+                if index not in taken and any(_same(a, b) for a in given for b in held):
+                    taken.append(index)
+                    return
+
+    def orders(self, trained: int) -> list[list[int]]:
+        """Per epoch, the order its microbatches were consumed in: those `consumed`, then
+        the rest as given; as given where fewer than ``trained`` were matched (a loop that
+        cuts or joins the microbatches, whose forwards see none of them whole)."""
+        n = len(self._batches)
+        return [
+            [*taken, *(i for i in range(n) if i not in taken)]
+            if len(taken) >= trained
+            else list(range(n))
+            for taken in self.consumed
+        ]
 
     def _inner_forward(self, *_: object) -> None:
         if not self._inside and torch.is_grad_enabled():
             self.bypassed += 1
 
-    def _forward(self, *_: object) -> None:
+    def _forward(self, _: nn.Module, args: object, kwargs: object) -> None:
         self._inside += 1
         if torch.is_grad_enabled():  # (a training forward, not an evaluation's)
             self.forwards_after += 1
+            self._consume((args, kwargs))
             if self.rate_moved is None:
                 self._follow_rates()
         if torch.is_autocast_enabled(self._device):
@@ -413,6 +450,12 @@ class Observed:
             [float(group["lr"]) for groups in steps for group in groups if "lr" in group]
             for steps in zip(*self.hyperparameters, strict=False)
         ]
+
+
+def _same(got: torch.Tensor, given: torch.Tensor) -> bool:
+    """Whether a forward's input ``got`` is the microbatch's tensor ``given``, by value (in
+    the input's dtype and device, where the trainer cast or moved it)."""
+    return got.shape == given.shape and torch.equal(got, given.to(got.device, got.dtype))
 
 
 def _sync_ranks(module: nn.SyncBatchNorm) -> int:
