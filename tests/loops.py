@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradaccum
+from examples.testing_your_trainer import test_dist_adamw as nanochat
 from gradaccum.testing import (
     AccumulationReport,
     CollectiveCounter,
@@ -477,80 +478,6 @@ class FunctionalDropout(nn.Module):
         return self.last(self.tanh(hidden))
 
 
-class DistAdamW(torch.optim.Optimizer):
-    """nanochat's DistAdamW (nanochat/adamw.py) in its shape, on gloo: no DDP around the
-    model; ``step()`` reduce-scatters each parameter's gradient over the ranks (all-reduces
-    it whole where the ranks do not divide its first dimension), averages it (gloo has no
-    ``ReduceOp.AVG``: summed, then divided by the world size, unless not ``divide``: the
-    bug), updates this rank's slice of the parameter with AdamW and all-gathers the
-    parameter."""
-
-    def __init__(
-        self,
-        params: Any,
-        lr: float = 6e-3,
-        betas: tuple[float, float] = (0.9, 0.95),
-        eps: float = 1e-8,
-        weight_decay: float = 0.1,
-        *,
-        divide: bool = True,
-    ) -> None:
-        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
-        super().__init__(params, defaults)
-        self.divide = divide
-
-    @torch.no_grad()
-    def step(self) -> None:  # type: ignore[override]
-        rank, world = dist.get_rank(), dist.get_world_size()
-        for group in self.param_groups:
-            lr, (beta1, beta2) = group["lr"], group["betas"]
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                if param.shape[0] % world == 0:
-                    size = param.shape[0] // world
-                    grad = torch.empty_like(param.grad[:size])
-                    dist.reduce_scatter_tensor(grad, param.grad.contiguous())
-                    piece = param[rank * size : (rank + 1) * size].clone()
-                else:
-                    grad, piece = param.grad.clone(), param.clone()
-                    dist.all_reduce(grad)
-                if self.divide:
-                    grad /= world
-                state = self.state[param]
-                if not state:
-                    state.update(t=0, m=torch.zeros_like(grad), v=torch.zeros_like(grad))
-                state["t"] += 1
-                state["m"].lerp_(grad, 1 - beta1)
-                state["v"].lerp_(grad.square(), 1 - beta2)
-                denom = (state["v"] / (1 - beta2 ** state["t"])).sqrt() + group["eps"]
-                piece.mul_(1 - lr * group["weight_decay"])
-                piece.addcdiv_(state["m"] / (1 - beta1 ** state["t"]), denom, value=-lr)
-                if piece.shape == param.shape:
-                    param.copy_(piece)
-                else:
-                    dist.all_gather_into_tensor(param, piece)
-
-
-def even_model() -> nn.Module:
-    """`make_model` with 8 hidden units: the ranks divide the first layer's rows."""
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 1)).double()
-
-
-def reduced_in_step_check(world: int, **options: Any) -> AccumulationReport:
-    """nanochat's loop on `DistAdamW` (``options`` go to it): no DDP, each microbatch's
-    loss over the steps, back-propagated, the optimizer stepped at each window's end."""
-    return check_accumulation(
-        even_model,
-        functools.partial(DistAdamW, **options),
-        hand_loop,
-        [rank_batches(rank) for rank in range(world)],
-        mean_loss,
-        steps=STEPS,
-    )
-
-
 def check(
     loop: Any,
     *,
@@ -689,8 +616,8 @@ def checks(rank: int, world: int) -> dict[str, Any]:
         "two_optimizers": two_optimizer_check(world),
         "two_optimizers_unscaled": two_optimizer_check(world, divide=False),
         "two_optimizers_accumulator": two_optimizer_check(world, accumulator_loop),
-        "dist_adamw": reduced_in_step_check(world),
-        "dist_adamw_summed": reduced_in_step_check(world, divide=False),
+        "dist_adamw": nanochat.check(),
+        "dist_adamw_summed": nanochat.check(divide=False),
     }
     found["buckets"] = {}
     for name, forward_inside in (("forward_outside", False), ("forward_inside", True)):

@@ -747,8 +747,7 @@ def _run(setup: _Setup, rank: int) -> _Run:
     if tolerance is None:
         tolerance = _TOLERANCES.get(lowest, _LOW_PRECISION_TOLERANCE)
     world = len(setup.batches)
-    n = len(setup.batches[rank])
-    orders: list[Any] = [observed.orders(_trained(n, setup.steps, setup.drop_last))]
+    orders: list[Any] = [observed.orders()]
     if world > 1:  # (the reference takes every rank's microbatches)
         orders = orders * world
         dist.all_gather_object(orders, orders[0])

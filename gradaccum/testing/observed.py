@@ -195,7 +195,7 @@ class Observed:
             that calls it), whose backward DDP does not all-reduce.
         consumed: Per epoch, the microbatches (their indices in the list the epoch was
             handed) that training forwards ran on, in the order they ran: each forward's
-            first not yet consumed microbatch that holds one of its input tensors (by
+            not yet consumed microbatch that holds the most of its input tensors (by
             value: a loader's collate makes new tensors), as a shuffling sampler, Hugging
             Face's Trainer's by default, orders them.
         in_step: Per window, the collectives that ran inside the optimizers' ``step()``
@@ -280,22 +280,20 @@ class Observed:
         if taken is None or not given:
             return
         with self._counter.paused():
-            for index, held in enumerate(self._batches):
-                if index not in taken and any(_same(a, b) for a in given for b in held):
-                    taken.append(index)
-                    return
+            shared = [
+                0 if index in taken else len([a for a in given if any(_same(a, b) for b in held)])
+                for index, held in enumerate(self._batches)
+            ]
+        most = max(shared, default=0)  # (the most tensors in common: not a mere padding mask)
+        if most:
+            taken.append(shared.index(most))
 
-    def orders(self, trained: int) -> list[list[int]]:
+    def orders(self) -> list[list[int]]:
         """Per epoch, the order its microbatches were consumed in: those `consumed`, then
-        the rest as given; as given where fewer than ``trained`` were matched (a loop that
-        cuts or joins the microbatches, whose forwards see none of them whole)."""
+        the rest as given (all of them as given for a loop that cuts or joins the
+        microbatches, whose forwards see none of them whole)."""
         n = len(self._batches)
-        return [
-            [*taken, *(i for i in range(n) if i not in taken)]
-            if len(taken) >= trained
-            else list(range(n))
-            for taken in self.consumed
-        ]
+        return [[*taken, *(i for i in range(n) if i not in taken)] for taken in self.consumed]
 
     def _inner_forward(self, *_: object) -> None:
         if not self._inside and torch.is_grad_enabled():
