@@ -537,6 +537,7 @@ def checks(rank: int, world: int) -> dict[str, Any]:
             functools.partial(hand_loop, forward_inside=False), **ddp
         ),
         "synced_twice": check(functools.partial(hand_loop, synced=2), **ddp),
+        "no_no_sync": check(functools.partial(hand_loop, synced=STEPS), **ddp),
         # A DDP the trainer makes itself (accelerator.prepare inside train, say).
         "ddp_made_inside": check(ddp_inside_loop),
         "ddp_made_inside_outside": check(functools.partial(ddp_inside_loop, forward_inside=False)),

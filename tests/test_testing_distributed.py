@@ -99,7 +99,8 @@ def test_ddp_s_sync_is_checked_without_an_expected_count() -> None:
     before, with exact gradients), and so does a loop that syncs the last two
     microbatches of each window (exact too: the second all-reduce adds the last
     microbatch's gradient to an average), and one that never syncs is told why its
-    gradient is off; the right loop passes."""
+    gradient is off; one with no no_sync() at all is told to add one (it was told to
+    move its forward into one); the right loop passes."""
     for report in checked("forward_outside_unexpected"):
         assert report.max_abs_diff <= TOL
         assert report.problems == [
@@ -112,6 +113,15 @@ def test_ddp_s_sync_is_checked_without_an_expected_count() -> None:
         assert report.problems == [
             "2 all-reduces per window at steps=4: DDP all-reduced on 2 of a window's 4 "
             f"microbatches, not only its last. {HINT}"
+        ]
+    # A loop with no no_sync() at all is told to add one, not to move its forward into it.
+    for report in checked("no_no_sync"):
+        assert report.problems == [
+            "4 all-reduces per window at steps=4: DDP all-reduced on every microbatch: no "
+            "backward ran with its sync off; run every microbatch but a window's last, its "
+            "forward and its backward, inside model.no_sync() (or set "
+            "require_backward_grad_sync = False before the forward, or use "
+            "gradaccum.Accumulator)"
         ]
     for report in checked("forward_inside_unexpected"):
         assert report.ok, report

@@ -78,8 +78,9 @@ def test_blind_spots_are_shown_where_a_wrong_loop_would_pass() -> None:
         "microbatches' means (instead of dividing by the window's items) passes too: give "
         "microbatches of different item counts",
     ]
-    assert repr(report).splitlines()[-2:] == [
-        f"  not seen with these batches: {spot}" for spot in report.blind_spots
+    assert repr(report).splitlines()[-3:] == [  # the heading once, then each spot
+        "  not seen with these batches (never failed):",
+        *(f"    - {spot}" for spot in report.blind_spots),
     ]
     one = check_accumulation(
         make_model, loops.sgd, loops.hand_loop, [make_batches([1, 2, 3, 4])], mean_loss, steps=4
@@ -265,11 +266,18 @@ def test_unclipped_factor_inverts_clip_grad_norms_eps(factor: float) -> None:
     and nothing for a scale of 1 or one too far from 1 to come from clipping."""
     norm = 3.0
     scale = factor * (norm + 1e-6) / (factor * norm + 1e-6)
-    found = unclipped_factor(scale, norm)
+    found = unclipped_factor(scale, norm, 1.0)
     assert found is not None
     assert math.isclose(found, factor, rel_tol=1e-6)
-    assert unclipped_factor(1.0, norm) is None
-    assert unclipped_factor(1.01, norm) is None
+    assert unclipped_factor(1.0, norm, 1.0) is None
+    assert unclipped_factor(1.01, norm, 1.0) is None
+    # The reference's gradient under max_norm, the trainer's (factor > 1) over it.
+    if factor > 1:
+        under = 0.9 / factor + 0.05
+        scale = factor * 1.0 / (factor * under + 1e-6)
+        found = unclipped_factor(scale, under, 1.0)
+        assert found is not None
+        assert math.isclose(found, factor, rel_tol=1e-6)
 
 
 @pytest.mark.parametrize("p", [0.1, 0.0])
@@ -1276,3 +1284,54 @@ def test_a_clip_left_out_and_a_tiny_factor_are_named() -> None:
     assert "is clip_grad_norm_ called on it before optimizer.step()?" in report.problems[0]
     tiny = loops.check(functools.partial(loops.hand_loop, divisor=4000))
     assert tiny.problems[0].startswith("the gradient of window 1 is 0.001x the reference's"), tiny
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_factor_the_trainer_s_clip_alone_hid_is_named(dtype: torch.dtype) -> None:
+    """nanoGPT's loop without ``/ steps``, clipped at 1.5, which its 4x windows exceed and
+    the reference's (norm 0.94) do not: the report read "1.59x the reference's" with no
+    hint. In float64 the factor is read back from the clip (4.00x); in float32, where it
+    cannot be, the report says the trainer clipped a gradient at least that much larger."""
+    report = check_accumulation(
+        functools.partial(make_model, dtype=dtype),
+        loops.adamw,
+        functools.partial(loops.nanogpt_loop, divide=False, grad_clip=1.5),
+        [[(x.to(dtype), y.to(dtype)) for x, y in loops.rank_batches(0)]],
+        mean_loss,
+        steps=loops.STEPS,
+        max_grad_norm=1.5,
+    )
+    if dtype == torch.float64:
+        assert report.problems[0] == (
+            "the gradient of window 1 was 4.00x the reference's before clipping (the trainer "
+            "clipped it to max_grad_norm=1.5; the reference's, of norm 0.943, was under it): "
+            "is the loss divided by steps?"
+        )
+    else:
+        assert report.problems[0] == (
+            "the gradient of window 1 is 1.59x the reference's: its norm is "
+            "max_grad_norm=1.5, the reference's 0.943: the trainer clipped a gradient at "
+            "least that many times the reference's; is the loss divided by steps?"
+        )
+
+
+def test_means_averaged_and_clipped_are_named_without_the_clip_factor() -> None:
+    """The Hugging Face Trainer of 4.45's loop in item mode: each microbatch's mean loss
+    over the steps, clipped at 0.3, which every window exceeds. The report called its
+    gradient "0.60x the mean of its microbatches' means", a factor that is the clip's;
+    the reference's mean of means is now clipped as the trainer clips, and the report
+    names the mistake alone."""
+    report = check_accumulation(
+        make_model,
+        loops.adamw,
+        functools.partial(loops.nanogpt_loop, grad_clip=0.3),
+        [loops.rank_batches(0)],
+        sum_loss,
+        steps=loops.STEPS,
+        max_grad_norm=0.3,
+        num_items=loops.items,
+    )
+    assert report.problems[0].startswith(
+        "the gradient of window 1 is the mean of its microbatches' means (mean mode's "
+        "reference): does the loop average"
+    ), report

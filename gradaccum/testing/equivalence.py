@@ -260,7 +260,9 @@ class AccumulationReport:
                 if self.reordered
                 else []
             ),
-            *(f"  not seen with these batches: {spot}" for spot in self.blind_spots),
+            # (One heading, however many spots: what they are is said once.)
+            *(["  not seen with these batches (never failed):"] if self.blind_spots else []),
+            *(f"    - {spot}" for spot in self.blind_spots),
         ]
         return "\n".join(lines)
 
@@ -673,6 +675,7 @@ class _Run:
     reduced_in_step: Counts | None = None
     summed: bool = False  # their step applies the ranks' sum: a copy stepped so lands
     reordered: bool = False  # the trainer consumed its microbatches in another order
+    sync_turned_off: bool | None = None  # under DDP, a backward ran with its sync off
 
 
 def _run_on_rank(rank: int, world: int, setup: _Setup) -> _Run:
@@ -819,6 +822,7 @@ def _run(setup: _Setup, rank: int) -> _Run:
         reduced_in_step=usual(observed.in_step) if reduced else None,
         summed=summed,
         reordered=any(order != sorted(order) for epoch in reference.orders for order in epoch),
+        sync_turned_off=observed.sync_turned_off,
     )
 
 
@@ -971,7 +975,11 @@ def _compare_gradients(
                     first = _first_microbatches(setup, alone, positions)
             means = None  # (item mode) what a loop averaging its microbatches' means gives
             if positions is not None and setup.num_items is not None and mean_of_means:
-                means = flat([mean_of_means(index)[i] for i in positions])
+                # (clipped as the trainer clips its own: the clip factor is no mismatch)
+                whole = mean_of_means(index)
+                cut = 1.0 if max_norm is None else clip_factor(float(flat(whole).norm()), max_norm)
+                means = flat([whole[i] * cut for i in positions])
+
             text = gradient_problem(
                 index + 1,
                 got.values,
@@ -988,7 +996,7 @@ def _compare_gradients(
                 items=setup.num_items is not None,
                 norm_only=got.positions is None,
                 tolerance=tolerance,
-                clipped=(norm, max_norm) if max_norm is not None and norm > max_norm else None,
+                clip=None if max_norm is None else (norm, max_norm),
                 # (A loop that stepped the dropped microbatches is named by its step count.)
                 dropped_before=0 if extra else setup.dropped_before(index + 1),
                 reference=reference,
@@ -1376,6 +1384,7 @@ def _merge(setup: _Setup, runs: list[_Run]) -> AccumulationReport:
             ddp=first.ddp,
             gradient_off=bool(off),
             bypassed=first.bypassed,
+            turned_off=first.sync_turned_off,
         ):
             problems.append(problem)
     # Under DDP, where no all-reduce count is expected, DDP's sync is still checked: the
@@ -1391,6 +1400,7 @@ def _merge(setup: _Setup, runs: list[_Run]) -> AccumulationReport:
                 setup.steps,
                 bool(off),
                 bypassed=first.bypassed,
+                turned_off=first.sync_turned_off,
             )
         )
     ):

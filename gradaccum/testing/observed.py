@@ -198,6 +198,9 @@ class Observed:
             not yet consumed microbatch that holds the most of its input tensors (by
             value: a loader's collate makes new tensors), as a shuffling sampler, Hugging
             Face's Trainer's by default, orders them.
+        sync_turned_off: Under DDP, whether a backward ran with its sync off (read as the
+            backward reaches the model's output): False for a loop with no ``no_sync()``
+            at all; None for a model that is no DDP.
         in_step: Per window, the collectives that ran inside the optimizers' ``step()``
             (`end_window` closes one): an optimizer that reduces the gradient itself,
             as nanochat's DistAdamW does, runs its reductions there.
@@ -237,6 +240,7 @@ class Observed:
         self._inside = 0  # the wrapper's forwards running now
         self._inner = _inside_ddp(model)
         self.in_step: list[Counts] = []
+        self.sync_turned_off: bool | None = None if self._inner is None else False
         self.consumed: list[list[int]] = []
         self._batches: list[list[torch.Tensor]] = []  # the epoch's, their tensors each
         self._stepping = Counts()  # the open window's, so far
@@ -339,9 +343,17 @@ class Observed:
 
     def _forward_done(self, _: nn.Module, __: object, output: object) -> None:
         self._inside -= 1
+        if self._inner is not None and torch.is_grad_enabled():
+            tensor = next((t for t in _tensors(output) if t.requires_grad), None)
+            if tensor is not None:
+                tensor.register_hook(self._backward_starts)  # type: ignore[no-untyped-call]
         if self._looks and torch.is_grad_enabled():
             self._looks -= 1
             self.computed |= graph_dtypes(output, below=self.dtype)
+
+    def _backward_starts(self, _: torch.Tensor) -> None:
+        if not getattr(unwrap(self._model), "require_backward_grad_sync", True):
+            self.sync_turned_off = True
 
     def _read(self, index: int, optimizer: torch.optim.Optimizer, *_: object) -> None:
         self.forwards_after = 0
