@@ -477,8 +477,9 @@ def test_plain_collectives_count_by_kind() -> None:
 
 
 def test_an_optimizer_that_averages_inside_its_step_is_judged_on_the_average() -> None:
-    """nanochat's DistAdamW shape (no DDP; step() reduce-scatters or all-reduces each
-    gradient, averages it, steps its slice and all-gathers the parameter): judged on the
+    """nanochat's DistAdamW shape, examples/testing_your_trainer/test_dist_adamw.py (no
+    DDP; step() reduce-scatters or all-reduces each gradient, averages it, steps its slice
+    and all-gathers the parameter), checked in the shared launch: judged on the
     ranks' mean gradient against a reference that steps the same optimizer as one rank,
     the exact loop is ok and the report says what it saw; the same optimizer summing
     without dividing fails on its parameters, with that cause."""

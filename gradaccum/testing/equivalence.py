@@ -306,7 +306,8 @@ def check_accumulation(
     On each rank: ``model = wrap(make_model())``, ``optimizer =
     make_optimizer(model.parameters())`` (one optimizer or a sequence of them),
     ``scheduler = make_scheduler(optimizer)``, then ``train(model, optimizer, scheduler,
-    list(batches[rank]))`` once per epoch. While it trains, a pre-hook on each optimizer reads,
+    copy.deepcopy(list(batches[rank])))`` once per epoch. While it trains, a pre-hook on
+    each optimizer reads,
     at each ``optimizer.step()``, every param-group entry (the learning rate however it
     was set: by a scheduler or by hand, ``param_group["lr"] = get_lr(it)``) and the full,
     unsharded gradient of its parameters (under FSDP1, the gradient's norm); a window
@@ -354,10 +355,10 @@ def check_accumulation(
             come as an iterator, so a factory that splits them makes a list first.
         train: The loop under test: one epoch of ``batches[rank]``, with the
             accumulation, ``optimizer.step()`` and ``scheduler.step()`` it does itself;
-            it gets what ``make_optimizer`` and ``make_scheduler`` returned, and the
-            batches as a fresh list each epoch, which it must consume in the order given
-            (the reference's windows are cut in that order: a loader that shuffles them
-            reads as a gradient off the reference).
+            it gets what ``make_optimizer`` and ``make_scheduler`` returned, and a copy
+            of the batches each epoch (it may pop from them), in any order: the
+            reference's windows are cut in the order its training forwards consumed
+            them (matched by value with the batches), which a shuffling loader changes.
         batches: Each rank's microbatches, ``batches[rank]``, the same number per rank.
         loss: ``loss(model, batch)``, the loss ``train`` back-propagates: a mean over
             the batch, or with ``num_items`` a sum.
