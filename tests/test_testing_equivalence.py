@@ -194,6 +194,19 @@ def test_graph_dtypes_reads_the_graph_without_unpacking_saved_tensors() -> None:
     assert len(forwards) == 3  # (the backward recomputes, once)
 
 
+def clipped_nanogpt(dtype: torch.dtype, *, divide: bool, clip: float) -> Any:
+    """`loops.nanogpt_loop` (dividing by steps or not) in ``dtype``, clipped at ``clip``."""
+    return check_accumulation(
+        functools.partial(make_model, dtype=dtype),
+        loops.adamw,
+        functools.partial(loops.nanogpt_loop, divide=divide, grad_clip=clip),
+        [[(x.to(dtype), y.to(dtype)) for x, y in loops.rank_batches(0)]],
+        mean_loss,
+        steps=loops.STEPS,
+        max_grad_norm=clip,
+    )
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_a_factor_hidden_by_clipping_is_read_from_clip_grad_norms_eps(dtype: torch.dtype) -> None:
     """nanoGPT's loop clipping at a norm every window's gradient exceeds: a loss not
@@ -202,19 +215,8 @@ def test_a_factor_hidden_by_clipping_is_read_from_clip_grad_norms_eps(dtype: tor
     tolerance, and the report once said "1.00x the reference's", with no cause; it now
     reads the factor back from it. In float32 the hair is under the tolerance: both loops
     pass, and the blind spot says a factor is not seen."""
-
-    def run(divide: bool) -> Any:
-        return check_accumulation(
-            functools.partial(make_model, dtype=dtype),
-            loops.adamw,
-            functools.partial(loops.nanogpt_loop, divide=divide, grad_clip=0.05),
-            [[(x.to(dtype), y.to(dtype)) for x, y in loops.rank_batches(0)]],
-            mean_loss,
-            steps=loops.STEPS,
-            max_grad_norm=0.05,
-        )
-
-    right, wrong = run(divide=True), run(divide=False)
+    right = clipped_nanogpt(dtype, divide=True, clip=0.05)
+    wrong = clipped_nanogpt(dtype, divide=False, clip=0.05)
     assert right.ok, right
     hidden = [spot for spot in right.blind_spots if spot.startswith("every window's gradient")]
     if dtype == torch.float64:
@@ -1292,15 +1294,7 @@ def test_a_factor_the_trainer_s_clip_alone_hid_is_named(dtype: torch.dtype) -> N
     the reference's (norm 0.94) do not: the report read "1.59x the reference's" with no
     hint. In float64 the factor is read back from the clip (4.00x); in float32, where it
     cannot be, the report says the trainer clipped a gradient at least that much larger."""
-    report = check_accumulation(
-        functools.partial(make_model, dtype=dtype),
-        loops.adamw,
-        functools.partial(loops.nanogpt_loop, divide=False, grad_clip=1.5),
-        [[(x.to(dtype), y.to(dtype)) for x, y in loops.rank_batches(0)]],
-        mean_loss,
-        steps=loops.STEPS,
-        max_grad_norm=1.5,
-    )
+    report = clipped_nanogpt(dtype, divide=False, clip=1.5)
     if dtype == torch.float64:
         assert report.problems[0] == (
             "the gradient of window 1 was 4.00x the reference's before clipping (the trainer "
