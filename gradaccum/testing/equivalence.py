@@ -841,11 +841,15 @@ def _world_of_one() -> Callable[[], contextlib.AbstractContextManager[None]]:
     optimizer that reduces over the ranks inside ``step()`` (``dist.all_reduce(grad)``,
     ``dist.get_world_size()``) steps the reference as on one process: its averaging is
     then checked, not repeated on every rank's copy of the same gradient. (torch keeps
-    the default group in ``distributed_c10d._world``, which has no public setter.)"""
+    the default group in ``distributed_c10d._world``, which has no public setter; a torch
+    without it steps the reference on every rank alike, which checks the loop but not
+    the averaging.)"""
     from torch.distributed import distributed_c10d
 
+    state: Any = getattr(distributed_c10d, "_world", None)
+    if not hasattr(state, "default_pg"):
+        return contextlib.nullcontext
     alone = dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True)
-    state: Any = distributed_c10d._world
 
     @contextlib.contextmanager
     def inside() -> Iterator[None]:
