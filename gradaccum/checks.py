@@ -131,15 +131,7 @@ def _optimizer(value: object, name: str, scaler: object) -> torch.optim.Optimize
             "Accumulator(model, optimizer, scheduler), the optimizer first"
         )
         raise ConfigTypeError(msg)
-    inner = next(
-        (
-            (attribute, wrapped)
-            for attribute in _WRAPPED
-            if isinstance(wrapped := getattr(value, attribute, None), torch.optim.Optimizer)
-            and wrapped is not value
-        ),
-        None,
-    )
+    inner = _wrapped(value)
     forward = (
         ""
         if inner is None
@@ -161,6 +153,29 @@ def _optimizer(value: object, name: str, scaler: object) -> torch.optim.Optimize
         raise ConfigTypeError(msg)
     _refuse_closure_optimizer(value, name)
     return value
+
+
+def _wrapped(optimizer: object) -> tuple[str, torch.optim.Optimizer] | None:
+    """The attribute that holds the torch optimizer ``optimizer`` wraps, and that
+    optimizer, or None."""
+    return next(
+        (
+            (attribute, wrapped)
+            for attribute in _WRAPPED
+            if isinstance(wrapped := getattr(optimizer, attribute, None), torch.optim.Optimizer)
+            and wrapped is not optimizer
+        ),
+        None,
+    )
+
+
+def _underneath(optimizer: object) -> object:
+    """The optimizer under every wrapper that exposes the one it wraps (Accelerate's
+    prepared one, Lightning Fabric's ``.optimizer``, SAM's ``base_optimizer``): a
+    scheduler built on it before the wrapping steps the same optimizer."""
+    prepared = foreign.prepared_optimizer(optimizer)
+    found = _wrapped(optimizer) if prepared is None else ("optimizer", prepared[0])
+    return optimizer if found is None else _underneath(found[1])
 
 
 def _check_holdings(
@@ -290,12 +305,11 @@ def _scheduler(
         raise ConfigTypeError(msg)
     expected = optimizers[index]
     bound = getattr(scheduler, "optimizer", expected)
-    prepared = foreign.prepared_optimizer(bound)
-    bound = bound if prepared is None else prepared[0]
-    if bound is expected:
+    under = [_underneath(optimizer) for optimizer in optimizers]
+    if _underneath(bound) is under[index]:
         return scheduler
-    if any(bound is optimizer for optimizer in optimizers):
-        position = next(i for i, optimizer in enumerate(optimizers) if optimizer is bound)
+    if any(_underneath(bound) is one for one in under):
+        position = under.index(_underneath(bound))
         msg = (
             f"{name} steps {names[position]} ({type(bound).__name__}), not {names[index]} "
             f"({type(expected).__name__}) at its position; pass the schedulers in the "

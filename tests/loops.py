@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradaccum
+from examples.testing_your_trainer import test_dist_adamw as nanochat
 from gradaccum.testing import (
     AccumulationReport,
     CollectiveCounter,
@@ -536,6 +537,7 @@ def checks(rank: int, world: int) -> dict[str, Any]:
             functools.partial(hand_loop, forward_inside=False), **ddp
         ),
         "synced_twice": check(functools.partial(hand_loop, synced=2), **ddp),
+        "no_no_sync": check(functools.partial(hand_loop, synced=STEPS), **ddp),
         # A DDP the trainer makes itself (accelerator.prepare inside train, say).
         "ddp_made_inside": check(ddp_inside_loop),
         "ddp_made_inside_outside": check(functools.partial(ddp_inside_loop, forward_inside=False)),
@@ -615,6 +617,8 @@ def checks(rank: int, world: int) -> dict[str, Any]:
         "two_optimizers": two_optimizer_check(world),
         "two_optimizers_unscaled": two_optimizer_check(world, divide=False),
         "two_optimizers_accumulator": two_optimizer_check(world, accumulator_loop),
+        "dist_adamw": nanochat.check(),
+        "dist_adamw_summed": nanochat.check(divide=False),
     }
     found["buckets"] = {}
     for name, forward_inside in (("forward_outside", False), ("forward_inside", True)):

@@ -1,6 +1,7 @@
 """Accelerate's prepared optimizer and scheduler: unwrapped and stepped once per window, or
 refused with the object to pass (one process; 2 processes in tests/test_examples_accelerate.py);
-its prepared DataLoader resumed mid-epoch."""
+its prepared DataLoader resumed mid-epoch. Lightning Fabric's optimizer, with a scheduler
+built on the optimizer it wraps."""
 
 from __future__ import annotations
 
@@ -61,6 +62,34 @@ def test_prepared_optimizer_and_scheduler_train_exactly(accelerator: object) -> 
             pass
     assert scheduler.last_epoch == acc.global_step == 2
     assert max_param_diff(model, expected) < 1e-12
+
+
+def test_a_scheduler_built_before_fabric_s_setup_steps_the_optimizer_it_wraps() -> None:
+    """Lightning Fabric's ``fabric.setup(model, optimizer)`` after the scheduler was built on
+    the plain AdamW (the common torch order): the Accumulator refused it ("scheduler steps
+    another optimizer (AdamW) than the one given"), though Fabric's optimizer wraps that
+    AdamW (its ``.optimizer``). It is accepted, steps Fabric's optimizer and the scheduler
+    once per window, and matches the big batch; a scheduler of another optimizer is still
+    refused."""
+    fabric = pytest.importorskip(
+        "lightning_fabric", reason="the trainers extra: pip install gradaccum[trainers]"
+    ).Fabric(accelerator="cpu", devices=1)
+    batches = make_batches([3] * 10)
+    model = make_model()
+    expected = reference_run(model, windows_of(batches, 4), parts)
+    (optimizer,), (scheduler,) = parts(model)
+    model, wrapped = fabric.setup(model, optimizer)
+    assert wrapped.optimizer is optimizer
+    assert wrapped is not optimizer
+    acc = gradaccum.Accumulator(model, wrapped, scheduler, steps=4)
+    for batch in acc.epoch(batches):
+        with acc.microstep(mean_loss(model, batch)):
+            pass
+    assert scheduler.last_epoch == acc.global_step == 2
+    assert max_param_diff(model, expected) < 1e-12
+    _, (elsewhere,) = parts(make_model())
+    with pytest.raises(gradaccum.ConfigError, match="steps another optimizer"):
+        gradaccum.Accumulator(model, wrapped, elsewhere, steps=4)
 
 
 def test_a_prepared_fp16_optimizer_needs_accelerates_scaler(accelerator: object) -> None:

@@ -99,7 +99,8 @@ def test_ddp_s_sync_is_checked_without_an_expected_count() -> None:
     before, with exact gradients), and so does a loop that syncs the last two
     microbatches of each window (exact too: the second all-reduce adds the last
     microbatch's gradient to an average), and one that never syncs is told why its
-    gradient is off; the right loop passes."""
+    gradient is off; one with no no_sync() at all is told to add one (it was told to
+    move its forward into one); the right loop passes."""
     for report in checked("forward_outside_unexpected"):
         assert report.max_abs_diff <= TOL
         assert report.problems == [
@@ -112,6 +113,15 @@ def test_ddp_s_sync_is_checked_without_an_expected_count() -> None:
         assert report.problems == [
             "2 all-reduces per window at steps=4: DDP all-reduced on 2 of a window's 4 "
             f"microbatches, not only its last. {HINT}"
+        ]
+    # A loop with no no_sync() at all is told to add one, not to move its forward into it.
+    for report in checked("no_no_sync"):
+        assert report.problems == [
+            "4 all-reduces per window at steps=4: DDP all-reduced on every microbatch: no "
+            "backward ran with its sync off; run every microbatch but a window's last, its "
+            "forward and its backward, inside model.no_sync() (or set "
+            "require_backward_grad_sync = False before the forward, or use "
+            "gradaccum.Accumulator)"
         ]
     for report in checked("forward_inside_unexpected"):
         assert report.ok, report
@@ -464,3 +474,30 @@ def test_plain_collectives_count_by_kind() -> None:
             "functional_all_reduce": {"all_reduce": 1},
             "functional_all_to_all_single": {"all_to_all": 1},
         }
+
+
+def test_an_optimizer_that_averages_inside_its_step_is_judged_on_the_average() -> None:
+    """nanochat's DistAdamW shape, examples/testing_your_trainer/test_dist_adamw.py (no
+    DDP; step() reduce-scatters or all-reduces each gradient, averages it, steps its slice
+    and all-gathers the parameter), checked in the shared launch: judged on the
+    ranks' mean gradient against a reference that steps the same optimizer as one rank,
+    the exact loop is ok and the report says what it saw; the same optimizer summing
+    without dividing fails on its parameters, with that cause."""
+    for report in checked("dist_adamw"):
+        assert report.ok, report
+        assert report.max_grad_diff <= TOL
+        assert report.reduced_in_step is not None
+        assert report.reduced_in_step.collectives == report.per_window.collectives
+        assert (
+            "  the optimizers average the gradients over the ranks inside step(): judged on "
+            "the averaged gradient, 2 all-gathers + 2 all-reduces + 2 reduce-scatters per "
+            "window, all at the boundary"
+        ) in repr(report).splitlines()
+    for report in checked("dist_adamw_summed"):
+        assert len(report.problems) == 1, report
+        assert report.problems[0].startswith("parameters off the float64 big-batch reference")
+        assert report.problems[0].endswith(
+            ": the optimizers' step() applies the sum of the 2 ranks' gradients (a copy "
+            "stepped with 2x their mean lands on the trainer's parameters); does it reduce "
+            "them without dividing by the 2 ranks?"
+        )

@@ -78,8 +78,9 @@ def test_blind_spots_are_shown_where_a_wrong_loop_would_pass() -> None:
         "microbatches' means (instead of dividing by the window's items) passes too: give "
         "microbatches of different item counts",
     ]
-    assert repr(report).splitlines()[-2:] == [
-        f"  not seen with these batches: {spot}" for spot in report.blind_spots
+    assert repr(report).splitlines()[-3:] == [  # the heading once, then each spot
+        "  not seen with these batches (never failed):",
+        *(f"    - {spot}" for spot in report.blind_spots),
     ]
     one = check_accumulation(
         make_model, loops.sgd, loops.hand_loop, [make_batches([1, 2, 3, 4])], mean_loss, steps=4
@@ -193,6 +194,19 @@ def test_graph_dtypes_reads_the_graph_without_unpacking_saved_tensors() -> None:
     assert len(forwards) == 3  # (the backward recomputes, once)
 
 
+def clipped_nanogpt(dtype: torch.dtype, *, divide: bool, clip: float) -> Any:
+    """`loops.nanogpt_loop` (dividing by steps or not) in ``dtype``, clipped at ``clip``."""
+    return check_accumulation(
+        functools.partial(make_model, dtype=dtype),
+        loops.adamw,
+        functools.partial(loops.nanogpt_loop, divide=divide, grad_clip=clip),
+        [[(x.to(dtype), y.to(dtype)) for x, y in loops.rank_batches(0)]],
+        mean_loss,
+        steps=loops.STEPS,
+        max_grad_norm=clip,
+    )
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_a_factor_hidden_by_clipping_is_read_from_clip_grad_norms_eps(dtype: torch.dtype) -> None:
     """nanoGPT's loop clipping at a norm every window's gradient exceeds: a loss not
@@ -201,19 +215,8 @@ def test_a_factor_hidden_by_clipping_is_read_from_clip_grad_norms_eps(dtype: tor
     tolerance, and the report once said "1.00x the reference's", with no cause; it now
     reads the factor back from it. In float32 the hair is under the tolerance: both loops
     pass, and the blind spot says a factor is not seen."""
-
-    def run(divide: bool) -> Any:
-        return check_accumulation(
-            functools.partial(make_model, dtype=dtype),
-            loops.adamw,
-            functools.partial(loops.nanogpt_loop, divide=divide, grad_clip=0.05),
-            [[(x.to(dtype), y.to(dtype)) for x, y in loops.rank_batches(0)]],
-            mean_loss,
-            steps=loops.STEPS,
-            max_grad_norm=0.05,
-        )
-
-    right, wrong = run(divide=True), run(divide=False)
+    right = clipped_nanogpt(dtype, divide=True, clip=0.05)
+    wrong = clipped_nanogpt(dtype, divide=False, clip=0.05)
     assert right.ok, right
     hidden = [spot for spot in right.blind_spots if spot.startswith("every window's gradient")]
     if dtype == torch.float64:
@@ -265,11 +268,18 @@ def test_unclipped_factor_inverts_clip_grad_norms_eps(factor: float) -> None:
     and nothing for a scale of 1 or one too far from 1 to come from clipping."""
     norm = 3.0
     scale = factor * (norm + 1e-6) / (factor * norm + 1e-6)
-    found = unclipped_factor(scale, norm)
+    found = unclipped_factor(scale, norm, 1.0)
     assert found is not None
     assert math.isclose(found, factor, rel_tol=1e-6)
-    assert unclipped_factor(1.0, norm) is None
-    assert unclipped_factor(1.01, norm) is None
+    assert unclipped_factor(1.0, norm, 1.0) is None
+    assert unclipped_factor(1.01, norm, 1.0) is None
+    # The reference's gradient under max_norm, the trainer's (factor > 1) over it.
+    if factor > 1:
+        under = 0.9 / factor + 0.05
+        scale = factor * 1.0 / (factor * under + 1e-6)
+        found = unclipped_factor(scale, under, 1.0)
+        assert found is not None
+        assert math.isclose(found, factor, rel_tol=1e-6)
 
 
 @pytest.mark.parametrize("p", [0.1, 0.0])
@@ -903,14 +913,15 @@ def test_hyperparameters_set_by_hand_need_no_scheduler() -> None:
 
 def test_train_gets_each_epoch_s_batches_as_a_fresh_list() -> None:
     """A loop that shuffles its batches in place (``random.shuffle``) raised TypeError on
-    the tuple it was given. Each epoch now gets a list of its own, in the order given; the
-    shuffled order is not the reference's, which reads as a gradient off it."""
+    the tuple it was given. Each epoch now gets a list of its own, in the order given, and
+    the order the loop's forwards consumed them in is the reference's: the shuffled loop
+    is judged exact (its gradient read as off the reference before), and says so."""
     given: list[list[Any]] = []
 
     def shuffled_loop(model: Any, optimizer: Any, scheduler: Any, batches: Any) -> None:
         given.append(batches)
         order = list(batches)
-        random.Random(0).shuffle(batches)
+        random.Random(len(given)).shuffle(batches)
         given.append(order)
         loops.hand_loop(model, optimizer, scheduler, batches)
 
@@ -923,7 +934,43 @@ def test_train_gets_each_epoch_s_batches_as_a_fresh_list() -> None:
             torch.equal(got[0], want[0])
             for got, want in zip(order, loops.rank_batches(0), strict=True)
         )
-    assert report.problems[0].startswith("the gradient of window 1 is off the float64 big-batch")
+    assert report.ok, report
+    assert report.max_grad_diff <= TOL
+    assert report.reordered
+    assert (
+        "  the trainer consumed the microbatches in another order than given (it shuffles "
+        "them): the reference cut its windows in the order consumed"
+    ) in repr(report).splitlines()
+
+
+def popping_loop(model: Any, optimizer: Any, scheduler: Any, batches: Any) -> None:
+    """torchtune's full-finetune recipe's inner loop, in its shape: each batch a dict whose
+    ``labels`` the loop takes out (``labels = batch.pop("labels")``) before the forward."""
+    for index, batch in enumerate(batches[:12]):
+        labels = batch.pop("labels")
+        ((model(batch["inputs"]) - labels).square().mean() / 4).backward()
+        if index % 4 == 3:
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def dict_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return (model(batch["inputs"]) - batch["labels"]).square().mean()
+
+
+def test_a_loop_that_consumes_its_batches_is_judged_every_epoch() -> None:
+    """torchtune's ``batch.pop("labels")``: the second epoch raised KeyError inside the
+    loop, as every epoch was handed the same batch objects; each epoch now gets copies,
+    so over 2 epochs the loop is judged exact, and the check's own batches are left
+    whole."""
+    batches = [{"inputs": x, "labels": y} for x, y in loops.rank_batches(0)]
+    report = check_accumulation(
+        make_model, loops.sgd, popping_loop, [batches], dict_loss, steps=4, epochs=2
+    )
+    assert report.ok, report
+    assert report.optimizer_steps == 6
+    assert report.max_grad_diff <= TOL
+    assert all("labels" in batch for batch in batches)
 
 
 def own_schedule_loop(
@@ -1239,3 +1286,46 @@ def test_a_clip_left_out_and_a_tiny_factor_are_named() -> None:
     assert "is clip_grad_norm_ called on it before optimizer.step()?" in report.problems[0]
     tiny = loops.check(functools.partial(loops.hand_loop, divisor=4000))
     assert tiny.problems[0].startswith("the gradient of window 1 is 0.001x the reference's"), tiny
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_factor_the_trainer_s_clip_alone_hid_is_named(dtype: torch.dtype) -> None:
+    """nanoGPT's loop without ``/ steps``, clipped at 1.5, which its 4x windows exceed and
+    the reference's (norm 0.94) do not: the report read "1.59x the reference's" with no
+    hint. In float64 the factor is read back from the clip (4.00x); in float32, where it
+    cannot be, the report says the trainer clipped a gradient at least that much larger."""
+    report = clipped_nanogpt(dtype, divide=False, clip=1.5)
+    if dtype == torch.float64:
+        assert report.problems[0] == (
+            "the gradient of window 1 was 4.00x the reference's before clipping (the trainer "
+            "clipped it to max_grad_norm=1.5; the reference's, of norm 0.943, was under it): "
+            "is the loss divided by steps?"
+        )
+    else:
+        assert report.problems[0] == (
+            "the gradient of window 1 is 1.59x the reference's: its norm is "
+            "max_grad_norm=1.5, the reference's 0.943: the trainer clipped a gradient at "
+            "least that many times the reference's; is the loss divided by steps?"
+        )
+
+
+def test_means_averaged_and_clipped_are_named_without_the_clip_factor() -> None:
+    """The Hugging Face Trainer of 4.45's loop in item mode: each microbatch's mean loss
+    over the steps, clipped at 0.3, which every window exceeds. The report called its
+    gradient "0.60x the mean of its microbatches' means", a factor that is the clip's;
+    the reference's mean of means is now clipped as the trainer clips, and the report
+    names the mistake alone."""
+    report = check_accumulation(
+        make_model,
+        loops.adamw,
+        functools.partial(loops.nanogpt_loop, grad_clip=0.3),
+        [loops.rank_batches(0)],
+        sum_loss,
+        steps=loops.STEPS,
+        max_grad_norm=0.3,
+        num_items=loops.items,
+    )
+    assert report.problems[0].startswith(
+        "the gradient of window 1 is the mean of its microbatches' means (mean mode's "
+        "reference): does the loop average"
+    ), report

@@ -62,3 +62,21 @@ def test_the_example_test_passes_on_the_fixed_trainer(
     example = example_module("test_trainer", EXAMPLE, monkeypatch)
     fixed = example_module("trainer_fixed", tmp_path, monkeypatch)
     example.check(fixed.train_epoch)
+
+
+def test_the_hugging_face_trainer_is_judged_as_its_users_run_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """examples/testing_your_trainer/test_hf_trainer.py: transformers' Trainer, unmodified
+    (its RandomSampler, ``num_items_in_batch``, linear schedule and clipping), is judged
+    exact in the order its forwards consumed the microbatches, and the report says the
+    order differed; it read as a gradient off the reference before, unless the Trainer's
+    ``_get_train_sampler`` was overridden to keep the order."""
+    pytest.importorskip(
+        "transformers", reason="the trainers extra: pip install gradaccum[trainers]"
+    )
+    example = example_module("test_hf_trainer", EXAMPLE, monkeypatch)
+    report = example.check()
+    assert report.ok, str(report)
+    assert report.reordered
+    assert report.max_grad_diff <= 1e-10

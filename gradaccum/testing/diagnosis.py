@@ -156,7 +156,7 @@ def gradient_problem(
     items: bool,
     norm_only: bool,
     tolerance: float,
-    clipped: tuple[float, float] | None = None,
+    clip: tuple[float, float] | None = None,
     dropped_before: int = 0,
     reference: str = "float64",
 ) -> str:
@@ -188,8 +188,8 @@ def gradient_problem(
         items: Item mode (the loss a sum over the window's items).
         norm_only: ``got`` and ``want`` are norms.
         tolerance: The largest gap accepted.
-        clipped: The reference's norm before clipping and the ``max_grad_norm`` it was
-            clipped to, where this window's gradient was clipped (`unclipped_factor`).
+        clip: The reference's norm before clipping and ``max_grad_norm``, where the
+            trainer clips (`unclipped_factor`).
         dropped_before: The microbatches the previous epoch dropped at its end, where
             this is the first window of an epoch after the first (else 0).
         reference: The dtype the reference ran in. Below float64 no factor is read from
@@ -211,15 +211,22 @@ def gradient_problem(
     # reference's is within it of ``k`` times it where ``d`` times the largest entry is.
     largest = float(want.abs().max()) if want.numel() else 0.0
     slack = tolerance / largest if largest > 0 else 0.0
+    clipped = clip if clip is not None and clip[0] > clip[1] else None
     factor = None
-    if clipped is not None and scale is not None and reference == "float64":
-        factor = unclipped_factor(scale, clipped[0])
-    if factor is not None and clipped is not None:
+    if clip is not None and scale is not None and reference == "float64":
+        factor = unclipped_factor(scale, *clip, slack)
+    if factor is not None and clip is not None:
         why = factor_hint(factor)
+        how = (
+            "both were clipped to max_grad_norm={:g}, and only the 1e-6 that clip_grad_norm_ "
+            "adds to the norm tells them apart"
+            if clipped
+            else "the trainer clipped it to max_grad_norm={:g}; the reference's, of norm "
+            f"{clip[0]:.3g}, was under it"
+        )
         return (
             f"the {noun} of window {window} was {_times(factor)}x the reference's before "
-            f"clipping (both were clipped to max_grad_norm={clipped[1]:g}, and only the 1e-6 "
-            "that clip_grad_norm_ adds to the norm tells them apart)" + (f": {why}" if why else "")
+            f"clipping ({how.format(clip[1])})" + (f": {why}" if why else "")
         )
     if scale is not None and not _near(scale, 1):
         if not got.any():
@@ -234,6 +241,12 @@ def gradient_problem(
                 f"the optimizer stepped with the window's unclipped gradient (its norm "
                 f"{clipped[0]:.3g} over max_grad_norm={clipped[1]:g}): is clip_grad_norm_ "
                 "called on it before optimizer.step()?"
+            )
+        elif clip is not None and scale > 1 and _near(scale * clip[0], clip[1], slack):
+            hint = (
+                f"its norm is max_grad_norm={clip[1]:g}, the reference's {clip[0]:.3g}: the "
+                "trainer clipped a gradient at least that many times the reference's; is "
+                "the loss divided by steps?"
             )
         else:
             hint = factor_hint(scale, slack)
@@ -333,17 +346,25 @@ def _multiple_of(got: torch.Tensor, want: torch.Tensor, tolerance: float) -> flo
     return scale if math.isfinite(scale) and gap(got, scale * want) <= tolerance else None
 
 
-def unclipped_factor(scale: float, norm: float) -> float | None:
-    """How many times the reference's a clipped gradient was before clipping, where it is
-    not 1: read from ``scale``, the clipped gradient over the reference's clipped one, and
-    ``norm``, the reference's before clipping. ``clip_grad_norm_`` multiplies by
-    ``max_norm / (norm + 1e-6)``, so a gradient ``k`` times the reference's comes out
-    ``k (norm + 1e-6) / (k norm + 1e-6)`` times the reference's clipped one, a hair from 1
-    (seen in float64), which gives ``k`` back. None where that is 1, or cannot be read."""
-    if not math.isfinite(scale) or not _near(scale, 1):
+def unclipped_factor(
+    scale: float, norm: float, max_norm: float, slack: float = 0.0
+) -> float | None:
+    """How many times the reference's a gradient that the trainer clipped was before
+    clipping, where it is not 1: read from ``scale``, the trainer's clipped gradient over
+    the reference's (clipped too where its ``norm`` before clipping is above
+    ``max_norm``). ``clip_grad_norm_`` multiplies by ``max_norm / (norm + 1e-6)``, so a
+    gradient ``k`` times the reference's comes out ``k max_norm / ((k norm + 1e-6) r)``
+    times the reference's, ``r`` the reference's own factor: a hair from 1 where both were
+    clipped, ``max_norm / norm`` where the reference's was not, and in float64 precise
+    enough to give ``k`` back. None where the trainer's gradient was not clipped, where
+    ``k`` is 1, or where it cannot be read: the hair is within ``slack`` (the gradient's
+    relative uncertainty, a float32 trainer's) of the clipped norm."""
+    own = clip_factor(norm, max_norm)
+    if not math.isfinite(scale) or not _near(scale * own * norm, max_norm):
         return None
-    below = _CLIP_EPS - (scale - 1) * norm
-    factor = scale * _CLIP_EPS / below if below > 0 else math.inf
+    below = max_norm - scale * own * norm
+    readable = below > 10 * slack * scale * own * norm
+    factor = scale * own * _CLIP_EPS / below if readable else math.inf
     return factor if math.isfinite(factor) and not _near(factor, 1) else None
 
 
@@ -471,6 +492,7 @@ def collective_problem(
     ddp: bool,
     gradient_off: bool = False,
     bypassed: int = 0,
+    turned_off: bool | None = None,
 ) -> str | None:
     """``4 all-reduces per window at steps=4, expected 1``, and why: how many ran in the
     backward and how many (``outside``) outside it, which are the trainer's own (a
@@ -492,7 +514,11 @@ def collective_problem(
     if (
         kind == "all_reduce"
         and ddp
-        and (why := ddp_problem(backwards, steps, gradient_off, bypassed=bypassed))
+        and (
+            why := ddp_problem(
+                backwards, steps, gradient_off, bypassed=bypassed, turned_off=turned_off
+            )
+        )
     ):
         problem += f": {why}"
     return problem
@@ -530,13 +556,22 @@ def ranks_apart_problem(window: int, backwards: int, steps: int, *, ddp: bool) -
     return f"{problem}: is the gradient reduced over the ranks before every optimizer.step()?"
 
 
-def ddp_problem(backwards: int, steps: int, gradient_off: bool, *, bypassed: int = 0) -> str | None:
+def ddp_problem(
+    backwards: int,
+    steps: int,
+    gradient_off: bool,
+    *,
+    bypassed: int = 0,
+    turned_off: bool | None = None,
+) -> str | None:
     """Why DDP all-reduced in the backward of ``backwards`` microbatches of a window of
     ``steps``: more than one (the gradient is exact either way, so only this count shows
     it), or none while the gradient is off (each rank stepped with its own: with an exact
     gradient, DDP sent it where the counter does not see, through a comm hook of its
     own), said as `bypass_problem` where ``bypassed`` forwards ran around DDP's; None
-    where it did in one, the window's last."""
+    where it did in one, the window's last. ``turned_off``: whether any backward ran with
+    DDP's sync off (None where not seen): a loop that never turns it off has no
+    ``no_sync()`` to move its forward into."""
     if backwards == 0 and gradient_off and bypassed:
         return bypass_problem(bypassed)
     if backwards == 0 and gradient_off:
@@ -552,6 +587,13 @@ def ddp_problem(backwards: int, steps: int, gradient_off: bool, *, bypassed: int
         if backwards >= steps
         else f"{backwards} of a window's {steps} microbatches, not only its last"
     )
+    if turned_off is False:
+        return (
+            f"DDP all-reduced on {which}: no backward ran with its sync off; run every "
+            "microbatch but a window's last, its forward and its backward, inside "
+            "model.no_sync() (or set require_backward_grad_sync = False before the "
+            "forward, or use gradaccum.Accumulator)"
+        )
     return (
         f"DDP all-reduced on {which}. It decides during the forward whether the backward "
         "all-reduces, so the forward belongs inside no_sync() with its backward, on every "

@@ -11,6 +11,8 @@ and the collectives of each window. One call, one report to assert on.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import pickle
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -160,6 +162,15 @@ class AccumulationReport:
             parameters' (``"float32"``) where make_model's model and the loss do not run
             in float64 (they cast to a fixed dtype, ``x.float()``); the tolerance is the
             trainer's dtype's either way.
+        amplified: Where the parameters' gap is the optimizer's response to rounding, the
+            gap of a copy stepped with the trainer's own gradients; else None.
+        reduced_in_step: Where the optimizers reduce the gradient over the ranks inside
+            their ``step()`` (nanochat's DistAdamW, ZeRO-style optimizers: no DDP), what a
+            window usually ran there; the gradient compared is then the ranks' mean, and
+            the reference steps its optimizers in a world of one rank. None otherwise.
+        reordered: The trainer's forwards consumed the microbatches in another order
+            than given (a sampler that shuffles them: Hugging Face's Trainer's, by
+            default); the reference cut its windows in the order consumed.
     """
 
     steps: int
@@ -185,6 +196,8 @@ class AccumulationReport:
     computed: str | None = None
     reference: str = "float64"
     amplified: float | None = None
+    reduced_in_step: Counts | None = None
+    reordered: bool = False
 
     @property
     def ok(self) -> bool:
@@ -238,9 +251,34 @@ class AccumulationReport:
                 if self.amplified is not None
                 else []
             ),
-            *(f"  not seen with these batches: {spot}" for spot in self.blind_spots),
+            *([self._reduced_line()] if self.reduced_in_step is not None else []),
+            *(
+                [
+                    "  the trainer consumed the microbatches in another order than given (it "
+                    "shuffles them): the reference cut its windows in the order consumed"
+                ]
+                if self.reordered
+                else []
+            ),
+            # (One heading, however many spots: what they are is said once.)
+            *(["  not seen with these batches (never failed):"] if self.blind_spots else []),
+            *(f"    - {spot}" for spot in self.blind_spots),
         ]
         return "\n".join(lines)
+
+    def _reduced_line(self) -> str:
+        """What the optimizers that reduce inside ``step()`` ran there, per window."""
+        inside = self.reduced_in_step or Counts()
+        ran = " + ".join(in_words(n, kind) for kind, n in inside.collectives.items())
+        where = (
+            "all at the boundary"
+            if dict(inside.collectives) == dict(self.per_window.collectives)
+            else f"of the window's {self.per_window}"
+        )
+        return (
+            "  the optimizers average the gradients over the ranks inside step(): judged on "
+            f"the averaged gradient, {ran} per window, {where}"
+        )
 
 
 def check_accumulation(
@@ -268,7 +306,8 @@ def check_accumulation(
     On each rank: ``model = wrap(make_model())``, ``optimizer =
     make_optimizer(model.parameters())`` (one optimizer or a sequence of them),
     ``scheduler = make_scheduler(optimizer)``, then ``train(model, optimizer, scheduler,
-    list(batches[rank]))`` once per epoch. While it trains, a pre-hook on each optimizer reads,
+    copy.deepcopy(list(batches[rank])))`` once per epoch. While it trains, a pre-hook on
+    each optimizer reads,
     at each ``optimizer.step()``, every param-group entry (the learning rate however it
     was set: by a scheduler or by hand, ``param_group["lr"] = get_lr(it)``) and the full,
     unsharded gradient of its parameters (under FSDP1, the gradient's norm); a window
@@ -316,10 +355,10 @@ def check_accumulation(
             come as an iterator, so a factory that splits them makes a list first.
         train: The loop under test: one epoch of ``batches[rank]``, with the
             accumulation, ``optimizer.step()`` and ``scheduler.step()`` it does itself;
-            it gets what ``make_optimizer`` and ``make_scheduler`` returned, and the
-            batches as a fresh list each epoch, which it must consume in the order given
-            (the reference's windows are cut in that order: a loader that shuffles them
-            reads as a gradient off the reference).
+            it gets what ``make_optimizer`` and ``make_scheduler`` returned, and a copy
+            of the batches each epoch (it may pop from them), in any order: the
+            reference's windows are cut in the order its training forwards consumed
+            them (matched by value with the batches), which a shuffling loader changes.
         batches: Each rank's microbatches, ``batches[rank]``, the same number per rank.
         loss: ``loss(model, batch)``, the loss ``train`` back-propagates: a mean over
             the batch, or with ``num_items`` a sum.
@@ -633,6 +672,11 @@ class _Run:
     # Off the reference, its gradients on it: the gap to the optimizer stepped with the
     # trainer's own gradients (`_replayed`); None where not asked or not seen.
     replayed: float | None = None
+    # The optimizers reduce inside step(): what a window ran there; None where not.
+    reduced_in_step: Counts | None = None
+    summed: bool = False  # their step applies the ranks' sum: a copy stepped so lands
+    reordered: bool = False  # the trainer consumed its microbatches in another order
+    sync_turned_off: bool | None = None  # under DDP, a backward ran with its sync off
 
 
 def _run_on_rank(rank: int, world: int, setup: _Setup) -> _Run:
@@ -674,6 +718,7 @@ def _run(setup: _Setup, rank: int) -> _Run:
 
     def window_closed() -> None:
         counter.end_window()
+        observed.end_window()
         with counter.paused():  # gathering shards to compare them is not training
             after.append(full_params(wrapped))
 
@@ -683,12 +728,14 @@ def _run(setup: _Setup, rank: int) -> _Run:
     try:
         with observed, WindowWatch(optimizers, window_closed), counter:
             for _ in range(setup.epochs):
-                observed.new_epoch()
-                # A fresh list each epoch: a loop that shuffles or pops what it is given
-                # in place is checked (its order is then not the reference's: a
-                # gradient off), rather than crashing on a tuple or changing the next
-                # epoch's batches.
-                setup.train(wrapped, made, scheduler, list(setup.batches[rank]))
+                # A copy each epoch: a loop that consumes its batches (torchtune's
+                # ``labels = batch.pop("labels")``) or shuffles the list in place is
+                # checked, as it runs for its users, rather than crashing on a tuple or
+                # on what the previous epoch left. The order its forwards consume them
+                # in is the reference's (`Observed.orders`).
+                given = copy.deepcopy(list(setup.batches[rank]))
+                observed.new_epoch(given)
+                setup.train(wrapped, made, scheduler, given)
     finally:
         for one in schedulers.values():
             del one.step  # its class's step again
@@ -703,6 +750,16 @@ def _run(setup: _Setup, rank: int) -> _Run:
     tolerance = setup.tolerance
     if tolerance is None:
         tolerance = _TOLERANCES.get(lowest, _LOW_PRECISION_TOLERANCE)
+    world = len(setup.batches)
+    orders: list[Any] = [observed.orders()]
+    if world > 1:  # (the reference takes every rank's microbatches)
+        orders = orders * world
+        dist.all_gather_object(orders, orders[0])
+    reference.orders = [list(epoch) for epoch in zip(*orders, strict=True)]
+    reduced = world > 1 and _reduced_in_step(observed, counter.counts)
+    if reduced:
+        observed.average_over_ranks([param.shape for param in start])
+        reference.alone = _world_of_one()
     windows = list(reference.windows(observed.hyperparameters))
     worst, where = 0.0, None
     for index, (got, want) in enumerate(zip(after, windows, strict=False)):
@@ -725,6 +782,13 @@ def _run(setup: _Setup, rank: int) -> _Run:
     replayed = None  # (every gradient on the reference, the parameters not)
     if not worst <= tolerance and grad_diff <= tolerance and not observed.norm_only:
         replayed = reference.replayed(start, observed, after)
+    # An optimizer that sums the ranks' gradients in step(): stepped so from the trainer's
+    # own (averaged) gradients, a copy lands on its parameters; each window's gradient
+    # after the first is then read at parameters already off, and is no cause.
+    summed = reduced and not worst <= tolerance
+    summed = summed and reference.replayed(start, observed, after, world) <= tolerance
+    if summed:
+        grad_problem = None
     off = grad_problem is not None or not worst <= tolerance
     drawn = off and not observed.not_per_item and reference.random_forward()
     apart = _ranks_apart(after, tolerance)  # (on every rank: collectives, off or not)
@@ -756,7 +820,46 @@ def _run(setup: _Setup, rank: int) -> _Run:
         bypassed=observed.bypassed,
         reference=str(reference.dtype).removeprefix("torch."),
         replayed=replayed,
+        reduced_in_step=usual(observed.in_step) if reduced else None,
+        summed=summed,
+        reordered=any(order != sorted(order) for epoch in reference.orders for order in epoch),
+        sync_turned_off=observed.sync_turned_off,
     )
+
+
+def _reduced_in_step(observed: Observed, counts: Counts) -> bool:
+    """Whether every rank's optimizers reduced the gradient inside ``step()``
+    (`Observed.reduced_in_step`): one collective, so that all average, or none."""
+    device = Ranks(dist.group.WORLD, torch.device("cpu")).device
+    flag = torch.tensor([int(observed.reduced_in_step(counts))], device=device)
+    dist.all_reduce(flag, dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _world_of_one() -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """A context in which the default process group is this rank's alone, so that an
+    optimizer that reduces over the ranks inside ``step()`` (``dist.all_reduce(grad)``,
+    ``dist.get_world_size()``) steps the reference as on one process: its averaging is
+    then checked, not repeated on every rank's copy of the same gradient. (torch keeps
+    the default group in ``distributed_c10d._world``, which has no public setter; a torch
+    without it steps the reference on every rank alike, which checks the loop but not
+    the averaging.)"""
+    from torch.distributed import distributed_c10d
+
+    state: Any = getattr(distributed_c10d, "_world", None)
+    if not hasattr(state, "default_pg"):
+        return contextlib.nullcontext
+    alone = dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True)
+
+    @contextlib.contextmanager
+    def inside() -> Iterator[None]:
+        world, state.default_pg = state.default_pg, alone
+        try:
+            yield
+        finally:
+            state.default_pg = world
+
+    return inside
 
 
 def _ranks_apart(after: list[list[torch.Tensor]], tolerance: float) -> int | None:
@@ -877,7 +980,11 @@ def _compare_gradients(
                     first = _first_microbatches(setup, alone, positions)
             means = None  # (item mode) what a loop averaging its microbatches' means gives
             if positions is not None and setup.num_items is not None and mean_of_means:
-                means = flat([mean_of_means(index)[i] for i in positions])
+                # (clipped as the trainer clips its own: the clip factor is no mismatch)
+                whole = mean_of_means(index)
+                cut = 1.0 if max_norm is None else clip_factor(float(flat(whole).norm()), max_norm)
+                means = flat([whole[i] * cut for i in positions])
+
             text = gradient_problem(
                 index + 1,
                 got.values,
@@ -894,7 +1001,7 @@ def _compare_gradients(
                 items=setup.num_items is not None,
                 norm_only=got.positions is None,
                 tolerance=tolerance,
-                clipped=(norm, max_norm) if max_norm is not None and norm > max_norm else None,
+                clip=None if max_norm is None else (norm, max_norm),
                 # (A loop that stepped the dropped microbatches is named by its step count.)
                 dropped_before=0 if extra else setup.dropped_before(index + 1),
                 reference=reference,
@@ -1003,6 +1110,10 @@ class _Reference:
 
     def __init__(self, setup: _Setup, start: list[torch.Tensor], fallback: torch.dtype) -> None:
         self.setup = setup
+        # Where the optimizers step: as they are, or in a world of one (`_world_of_one`).
+        self.alone: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
+        # Per epoch, per rank, the order the trainer consumed the microbatches in.
+        self.orders: list[list[list[int]]] = []
         self.model = setup.make_model().to("cpu", torch.float64)
         params = list(self.model.parameters())
         shapes = [tuple(p.shape) for p in params]
@@ -1054,6 +1165,17 @@ class _Reference:
             for param, value in zip(self.model.parameters(), values, strict=True):
                 param.copy_(value)
 
+    def _at(self, window: int, places: Iterable[int]) -> list[Batch]:
+        """Every rank's microbatches at ``places`` of the epoch of window ``window`` (from
+        0), rank by rank, in the order the trainer consumed that epoch's (`orders`)."""
+        epoch = window * self.setup.epochs // len(self.setup.windows())
+        orders = self.orders[epoch] if self.orders else [None] * len(self.data)
+        return [
+            mine[place if order is None else order[place]]
+            for mine, order in zip(self.data, orders, strict=True)
+            for place in places
+        ]
+
     def random_forward(self) -> bool:
         """Two losses of the first microbatch, at the same parameters, differ: the forward
         draws random numbers (a functional ``F.dropout``, say, which no module shows).
@@ -1080,7 +1202,7 @@ class _Reference:
         window = self.setup.windows()[index]
         for place in range(window.start, min(window.stop + beyond, len(self.data[0]))):
             self.model.zero_grad(set_to_none=True)
-            micro = [mine[place] for mine in self.data]
+            micro = self._at(index, [place])
             _window_loss(self.model, self.setup.loss, micro, self.setup.num_items).backward()  # type: ignore[no-untyped-call]
             found.append([_grad_of(param) for param in params])
         return found
@@ -1098,17 +1220,21 @@ class _Reference:
 
         self._load(at)
         self.model.zero_grad(set_to_none=True)
-        micro = [mine[place] for mine in self.data for place in self.setup.windows()[index]]
+        micro = self._at(index, self.setup.windows()[index])
         _window_loss(self.model, item_mean, micro).backward()  # type: ignore[no-untyped-call]
         return [_grad_of(param) for param in self.model.parameters()]
 
     def replayed(
-        self, start: list[torch.Tensor], observed: Observed, after: list[list[torch.Tensor]]
+        self,
+        start: list[torch.Tensor],
+        observed: Observed,
+        after: list[list[torch.Tensor]],
+        scale: float = 1.0,
     ) -> float:
         """The largest gap between the trainer's parameters after each window and those
         of the reference's optimizers stepped from ``start`` with the gradients the
-        trainer's steps saw, at the hyperparameters they held. Leaves the model there;
-        read after `windows`.
+        trainer's steps saw (times ``scale``), at the hyperparameters they held. Leaves
+        the model there; read after `windows`.
 
         Where the trainer's gradients match the reference's and its parameters do not,
         this tells what the optimizer made of their rounding-level differences: Adam's
@@ -1125,10 +1251,11 @@ class _Reference:
             self.model.zero_grad(set_to_none=True)
             for step in grads:
                 for position, grad in step.items():
-                    params[position].grad = None if grad is None else grad.to(self.dtype)
+                    params[position].grad = None if grad is None else grad.to(self.dtype) * scale
             for optimizer, groups in zip(optimizers, held, strict=True):
                 apply_hyperparameters(optimizer, groups, index)
-                optimizer.step()
+                with self.alone():
+                    optimizer.step()
             for mine, theirs in zip(got, params, strict=True):
                 worst = max(worst, gap(mine, cpu64(theirs)))
         return worst
@@ -1138,12 +1265,11 @@ class _Reference:
         hyperparameters the trainer's held at its step of that window (its own
         ``make_optimizer``'s, where the trainer's made fewer steps)."""
         setup = self.setup
-        data = self.data
         _, optimizers = setup.optimizers(self.model.parameters())
         params = list(self.model.parameters())
         for step, window in enumerate(setup.windows()):
             self.model.zero_grad(set_to_none=True)
-            micro = [mine[i] for mine in data for i in window]
+            micro = self._at(step, window)
             big = _window_loss(self.model, setup.loss, micro, setup.num_items)
             big.backward()  # type: ignore[no-untyped-call]  # torch leaves it untyped
             raw = [_grad_of(param) for param in params]
@@ -1153,7 +1279,8 @@ class _Reference:
             for optimizer, seen in zip(optimizers, hyperparameters, strict=True):
                 if step < len(seen):
                     apply_hyperparameters(optimizer, seen[step], step)
-                optimizer.step()
+                with self.alone():
+                    optimizer.step()
             yield _Window([cpu64(param) for param in params], grad, raw)
 
 
@@ -1239,9 +1366,16 @@ def _merge(setup: _Setup, runs: list[_Run]) -> AccumulationReport:
         and not (run.replayed is not None and run.replayed <= first.tolerance)
         for run in runs
     ):
+        summed = (
+            f": the optimizers' step() applies the sum of the {len(runs)} ranks' gradients "
+            f"(a copy stepped with {len(runs)}x their mean lands on the trainer's "
+            f"parameters); does it reduce them without dividing by the {len(runs)} ranks?"
+            if any(run.summed for run in runs)
+            else ""
+        )
         problems.append(
             f"parameters off the {first.reference} big-batch reference by {worst:.1e} after window "
-            f"{where} (tolerance {first.tolerance:.0e})"
+            f"{where} (tolerance {first.tolerance:.0e}){summed}"
         )
         amplified = []
     for kind, count in setup.expect_collectives.items():
@@ -1255,6 +1389,7 @@ def _merge(setup: _Setup, runs: list[_Run]) -> AccumulationReport:
             ddp=first.ddp,
             gradient_off=bool(off),
             bypassed=first.bypassed,
+            turned_off=first.sync_turned_off,
         ):
             problems.append(problem)
     # Under DDP, where no all-reduce count is expected, DDP's sync is still checked: the
@@ -1270,6 +1405,7 @@ def _merge(setup: _Setup, runs: list[_Run]) -> AccumulationReport:
                 setup.steps,
                 bool(off),
                 bypassed=first.bypassed,
+                turned_off=first.sync_turned_off,
             )
         )
     ):
@@ -1313,6 +1449,8 @@ def _merge(setup: _Setup, runs: list[_Run]) -> AccumulationReport:
         computed=first.computed,
         reference=first.reference,
         amplified=max(amplified) if amplified else None,
+        reduced_in_step=first.reduced_in_step,
+        reordered=any(run.reordered for run in runs),
     )
 
 

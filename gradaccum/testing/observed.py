@@ -20,8 +20,9 @@ import torch
 from torch import nn
 
 from gradaccum.errors import ConfigError
+from gradaccum.ranks import Ranks
 from gradaccum.sync import full_tensor, unwrap
-from gradaccum.testing.counting import CollectiveCounter
+from gradaccum.testing.counting import CollectiveCounter, Counts
 
 __all__ = [
     "Gradient",
@@ -81,6 +82,8 @@ def _fsdp1_grad_norm(model: nn.Module) -> float:
     return math.sqrt(total)
 
 
+# The collectives that reduce a gradient over the ranks (an all-gather only shares one).
+_REDUCING = ("all_reduce", "reduce_scatter", "reduce")
 _LOOKS = 3  # training forwards whose graph is looked at: a precision is the same in each
 _NODES = 100_000  # autograd nodes looked at in one graph, at most
 
@@ -190,6 +193,17 @@ class Observed:
         bypassed: Under DDP, the training forwards of the module inside it that ran
             outside DDP's forward (``model.module(x)``, or a method of the inner module
             that calls it), whose backward DDP does not all-reduce.
+        consumed: Per epoch, the microbatches (their indices in the list the epoch was
+            handed) that training forwards ran on, in the order they ran: each forward's
+            not yet consumed microbatch that holds the most of its input tensors (by
+            value: a loader's collate makes new tensors), as a shuffling sampler, Hugging
+            Face's Trainer's by default, orders them.
+        sync_turned_off: Under DDP, whether a backward ran with its sync off (read as the
+            backward reaches the model's output): False for a loop with no ``no_sync()``
+            at all; None for a model that is no DDP.
+        in_step: Per window, the collectives that ran inside the optimizers' ``step()``
+            (`end_window` closes one): an optimizer that reduces the gradient itself,
+            as nanochat's DistAdamW does, runs its reductions there.
     """
 
     def __init__(
@@ -225,6 +239,12 @@ class Observed:
         self.bypassed = 0
         self._inside = 0  # the wrapper's forwards running now
         self._inner = _inside_ddp(model)
+        self.in_step: list[Counts] = []
+        self.sync_turned_off: bool | None = None if self._inner is None else False
+        self.consumed: list[list[int]] = []
+        self._batches: list[list[torch.Tensor]] = []  # the epoch's, their tensors each
+        self._stepping = Counts()  # the open window's, so far
+        self._before = Counts()  # the counts as the step being run began
         self._hooks = ExitStack()
 
     @property
@@ -236,7 +256,10 @@ class Observed:
         for index, optimizer in enumerate(self._optimizers):
             hook = optimizer.register_step_pre_hook(functools.partial(self._read, index))
             self._hooks.callback(hook.remove)
-        self._hooks.callback(self._model.register_forward_pre_hook(self._forward).remove)
+            self._hooks.callback(optimizer.register_step_post_hook(self._stepped).remove)
+        self._hooks.callback(
+            self._model.register_forward_pre_hook(self._forward, with_kwargs=True).remove
+        )
         self._hooks.callback(
             self._model.register_forward_hook(self._forward_done, always_call=True).remove
         )
@@ -247,18 +270,44 @@ class Observed:
     def __exit__(self, *exc: object) -> None:
         self._hooks.close()
 
-    def new_epoch(self) -> None:
-        """An epoch starts: its first forward is compared with no earlier one."""
+    def new_epoch(self, batches: Sequence[object]) -> None:
+        """An epoch of ``batches`` starts: its first forward is compared with no earlier
+        one, and its forwards are matched with ``batches``."""
         self._rates = None
+        self._batches = [list(_tensors(batch)) for batch in batches]
+        self.consumed.append([])
+
+    def _consume(self, inputs: object) -> None:
+        """Note which of the epoch's microbatches a training forward runs on (`consumed`)."""
+        taken = self.consumed[-1] if self.consumed else None
+        given = [tensor.detach() for tensor in _tensors(inputs)]
+        if taken is None or not given:
+            return
+        with self._counter.paused():
+            shared = [
+                0 if index in taken else len([a for a in given if any(_same(a, b) for b in held)])
+                for index, held in enumerate(self._batches)
+            ]
+        most = max(shared, default=0)  # (the most tensors in common: not a mere padding mask)
+        if most:
+            taken.append(shared.index(most))
+
+    def orders(self) -> list[list[int]]:
+        """Per epoch, the order its microbatches were consumed in: those `consumed`, then
+        the rest as given (all of them as given for a loop that cuts or joins the
+        microbatches, whose forwards see none of them whole)."""
+        n = len(self._batches)
+        return [[*taken, *(i for i in range(n) if i not in taken)] for taken in self.consumed]
 
     def _inner_forward(self, *_: object) -> None:
         if not self._inside and torch.is_grad_enabled():
             self.bypassed += 1
 
-    def _forward(self, *_: object) -> None:
+    def _forward(self, _: nn.Module, args: object, kwargs: object) -> None:
         self._inside += 1
         if torch.is_grad_enabled():  # (a training forward, not an evaluation's)
             self.forwards_after += 1
+            self._consume((args, kwargs))
             if self.rate_moved is None:
                 self._follow_rates()
         if torch.is_autocast_enabled(self._device):
@@ -294,9 +343,17 @@ class Observed:
 
     def _forward_done(self, _: nn.Module, __: object, output: object) -> None:
         self._inside -= 1
+        if self._inner is not None and torch.is_grad_enabled():
+            tensor = next((t for t in _tensors(output) if t.requires_grad), None)
+            if tensor is not None:
+                tensor.register_hook(self._backward_starts)  # type: ignore[no-untyped-call]
         if self._looks and torch.is_grad_enabled():
             self._looks -= 1
             self.computed |= graph_dtypes(output, below=self.dtype)
+
+    def _backward_starts(self, _: torch.Tensor) -> None:
+        if not getattr(unwrap(self._model), "require_backward_grad_sync", True):
+            self.sync_turned_off = True
 
     def _read(self, index: int, optimizer: torch.optim.Optimizer, *_: object) -> None:
         self.forwards_after = 0
@@ -318,6 +375,53 @@ class Observed:
                 self.grads[index].append(self._full_grads(optimizer))
             elif index == 0:
                 self.norms.append(_fsdp1_grad_norm(self._model))
+        self._before = self._counter.counts
+
+    def _stepped(self, *_: object) -> None:
+        self._stepping += self._counter.counts - self._before
+
+    def end_window(self) -> None:
+        """A window closed: what ran inside its steps goes to `in_step`."""
+        self.in_step.append(self._stepping)
+        self._stepping = Counts()
+
+    def reduced_in_step(self, counts: Counts) -> bool:
+        """The optimizers reduced the gradient over the ranks inside ``step()``, and no
+        backward of the run (``counts``) did: nanochat's DistAdamW and DistMuon,
+        ZeRO-style optimizers, with no DDP around the model. The gradient they are
+        handed is each rank's own."""
+        return any(
+            window.collectives.get(kind) for window in self.in_step for kind in _REDUCING
+        ) and not any(counts.backwards.get(kind) for kind in _REDUCING)
+
+    def average_over_ranks(self, shapes: Sequence[torch.Size]) -> None:
+        """Each step's gradients, on every rank, become their mean over the ranks: what an
+        optimizer that averages them inside ``step()`` applies. Collective: every rank
+        calls it, for the steps every rank made."""
+        import torch.distributed as dist
+
+        device = Ranks(dist.group.WORLD, torch.device("cpu")).device
+        made = torch.tensor(self.steps(), device=device)
+        dist.all_reduce(made, dist.ReduceOp.MIN)
+        found = [
+            (steps[k], position)
+            for steps, n in zip(self.grads, made.tolist(), strict=True)
+            for k in range(n)
+            for position in sorted(steps[k])
+        ]
+        total = flat(
+            [
+                torch.zeros(shapes[i], dtype=torch.float64) if (grad := step[i]) is None else grad
+                for step, i in found
+            ]
+        ).to(device)
+        dist.all_reduce(total)
+        mean = (total / dist.get_world_size()).cpu()
+        start = 0
+        for step, i in found:
+            size = shapes[i].numel()
+            step[i] = mean[start : start + size].reshape(shapes[i])
+            start += size
 
     def _full_grads(self, optimizer: torch.optim.Optimizer) -> dict[int, torch.Tensor | None]:
         found: dict[int, torch.Tensor | None] = {}
@@ -356,6 +460,12 @@ class Observed:
             [float(group["lr"]) for groups in steps for group in groups if "lr" in group]
             for steps in zip(*self.hyperparameters, strict=False)
         ]
+
+
+def _same(got: torch.Tensor, given: torch.Tensor) -> bool:
+    """Whether a forward's input ``got`` is the microbatch's tensor ``given``, by value (in
+    the input's dtype and device, where the trainer cast or moved it)."""
+    return got.shape == given.shape and torch.equal(got, given.to(got.device, got.dtype))
 
 
 def _sync_ranks(module: nn.SyncBatchNorm) -> int:
