@@ -1,0 +1,148 @@
+"""Checks that docs pages run after their visible code, in the page's own namespace.
+
+A page calls one of these from a short hidden block, passing ``globals()``: Sybil runs the
+page's blocks in one namespace (tests/test_docs.py), so each check runs the functions the
+reader copies, as written on the page, and asserts what the page says of them. They live
+here rather than in the page so that the page's source stays short.
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def _one_rank_group(store: str) -> None:
+    dist.init_process_group("gloo", store=dist.FileStore(store, 1), rank=0, world_size=1)
+
+
+def _end_group() -> None:
+    gc.collect()  # the models hold the group in reference cycles
+    dist.destroy_process_group()
+
+
+def sharded_resume(page: dict[str, Any]) -> None:
+    """checkpoint.md, "Sharded models": `save_sharded` and `load_sharded`, under
+    `fully_shard` with a `DistributedSampler` on a one-rank gloo group: stopped at step 12
+    and resumed from step 10, the run ends bit for bit as the uninterrupted one."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    gradaccum, seed = page["gradaccum"], page["SEED"]
+    save_sharded, load_sharded = page["save_sharded"], page["load_sharded"]
+
+    def sharded_run(directory: str, crash_at: int | None = None) -> list[torch.Tensor] | None:
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(16, 64), nn.Dropout(0.1), nn.GELU(), nn.Linear(64, 1))
+        fully_shard(model[0])
+        fully_shard(model)
+        data = TensorDataset(torch.randn(256, 16), torch.randn(256, 1))
+        sampler = DistributedSampler(data, seed=seed)
+        loader = DataLoader(data, batch_size=8, sampler=sampler, generator=torch.Generator())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=16)
+        acc = gradaccum.Accumulator(model, optimizer, scheduler, steps=4, max_grad_norm=1.0)
+        if Path(directory).exists():
+            load_sharded(directory, model, optimizer, scheduler, acc)
+            assert (acc.global_step, acc.position) == (10, 8)
+        for epoch in range(acc.epochs_completed, 2):
+            sampler.set_epoch(epoch)
+            loader.generator.manual_seed(seed + epoch)
+            for x, y in acc.epoch(loader):
+                loss = nn.functional.mse_loss(model(x), y)
+                with acc.microstep(loss) as step:
+                    pass
+                if step.boundary and acc.global_step == 10:
+                    save_sharded(directory, model, optimizer, scheduler, acc)
+                if step.boundary and acc.global_step == crash_at:
+                    return None
+        return [p.full_tensor() for p in model.parameters()]
+
+    _one_rank_group("store")
+    try:
+        sharded_run("dcp", crash_at=12)
+        resumed = sharded_run("dcp")
+        whole = sharded_run("dcp-whole")
+        assert resumed is not None and whole is not None
+        assert all(torch.equal(p, q) for p, q in zip(resumed, whole, strict=True))
+    finally:
+        _end_group()
+
+
+def elastic_resume(page: dict[str, Any]) -> None:
+    """checkpoint.md, "Resume on another number of GPUs": `elastic_run` stopped at step 5
+    saves the world size, position and global position; resumed, it ends bit for bit as
+    the uninterrupted run (one rank here; tests/test_elastic_distributed.py changes it)."""
+    elastic_run = page["elastic_run"]
+
+    def plain_model() -> nn.Module:
+        return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 1))
+
+    _one_rank_group("store-elastic")
+    try:
+        elastic_run("elastic", plain_model, stop_at=5)
+        saved = torch.load("elastic/rest.pt")["acc"]
+        assert (saved["world_size"], saved["position"], saved["global_position"]) == (1, 40, 320)
+        assert saved["global_order"]["samples"] == 512
+        resumed = elastic_run("elastic", plain_model)
+        whole = elastic_run("elastic-whole", plain_model)
+        assert all(torch.equal(p, q) for p, q in zip(resumed.parameters(), whole.parameters()))
+    finally:
+        _end_group()
+
+
+def distributed_setup(page: dict[str, Any]) -> None:
+    """distributed.md, "Only the wrapping line differs": the names its wrapping block
+    uses, on a one-rank gloo group (the page's last hidden block destroys it)."""
+    import tempfile
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+    from torch.nn.parallel import DistributedDataParallel
+
+    import gradaccum
+
+    warnings.filterwarnings("ignore", "FSDP is switching to use `NO_SHARD`")  # one rank here
+    store = dist.FileStore(tempfile.mkstemp()[1], 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+
+    def make_model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 1))
+
+    def build(model: nn.Module) -> gradaccum.Accumulator:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return gradaccum.Accumulator(model, optimizer, steps=4)
+
+    page.update(
+        torch=torch,
+        dist=dist,
+        nn=nn,
+        gradaccum=gradaccum,
+        init_device_mesh=init_device_mesh,
+        FullyShardedDataParallel=FullyShardedDataParallel,
+        fully_shard=fully_shard,
+        ColwiseParallel=ColwiseParallel,
+        RowwiseParallel=RowwiseParallel,
+        parallelize_module=parallelize_module,
+        DistributedDataParallel=DistributedDataParallel,
+        make_model=make_model,
+        build=build,
+        device=torch.device("cpu"),
+        world=1,
+        nodes=1,
+        per_node=1,
+        dp=1,
+        tp=1,
+    )
