@@ -146,3 +146,97 @@ def distributed_setup(page: dict[str, Any]) -> None:
         dp=1,
         tp=1,
     )
+
+
+def semantics_setup(page: dict[str, Any]) -> None:
+    """semantics.md, "The loop": a model, SGD, a StepLR, a loader of 10 microbatches, and
+    `log`, which records what the loop logs in `logged`."""
+    import gradaccum
+
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    logged: list[tuple[Any, ...]] = []
+    page.update(
+        torch=torch,
+        nn=nn,
+        gradaccum=gradaccum,
+        model=model,
+        optimizer=optimizer,
+        scheduler=torch.optim.lr_scheduler.StepLR(optimizer, step_size=2),
+        loader=torch.utils.data.DataLoader(torch.randn(40, 8), batch_size=4),
+        epochs=2,
+        logged=logged,
+        log=lambda *values: logged.append(values),
+    )
+
+
+class MyWrapper(nn.Module):
+    """semantics.md, "Other wrappers": a wrapper gradaccum does not know, whose forward
+    records the sync flag the strategy armed."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module, self.syncing, self.seen = module, True, []
+
+    def set_syncing(self, sync: bool) -> None:
+        self.syncing = sync
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(self.syncing)
+        return self.module(x)
+
+
+def registered_strategy(page: dict[str, Any]) -> None:
+    """semantics.md, "Other wrappers": the page's `MyStrategy`, registered for `MyWrapper`,
+    arms the wrapper before each forward (off, then on at the boundary) and restores it."""
+    gradaccum = page["gradaccum"]
+    wrapped = MyWrapper(nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    with gradaccum.Accumulator(wrapped, optimizer, steps=2) as acc:
+        for batch in acc.epoch(page["loader"]):
+            with acc.microstep(wrapped(batch).square().mean()):
+                pass
+    assert wrapped.seen == [False, True] * 5 and wrapped.syncing
+
+
+def migration_setup(page: dict[str, Any]) -> None:
+    """migration.md: a model, SGD, a `0.9**k` LambdaLR, 10 microbatches, and 10 token
+    microbatches of rows of 6 token slots, 1 to 6 of them valid."""
+    import gradaccum
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    page.update(
+        torch=torch,
+        nn=nn,
+        gradaccum=gradaccum,
+        model=model,
+        optimizer=optimizer,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 0.9**k),
+        loader=[(torch.randn(2, 4), torch.randn(2, 1)) for _ in range(10)],
+        token_loader=[
+            (torch.randn(2, 6, 4), torch.randn(2, 6), torch.arange(6) < torch.randint(1, 7, (2, 1)))
+            for _ in range(10)
+        ],
+    )
+
+
+def token_setup(page: dict[str, Any]) -> None:
+    """variable-length.md, "Passing num_items": a small token model, AdamW, and 4
+    microbatches of 2 sequences of other lengths, their targets padded with -100."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16))
+
+    def padded(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        targets = torch.full((len(lengths), max(lengths)), -100)
+        for row, n in enumerate(lengths):
+            targets[row, :n] = torch.randint(16, (n,))
+        return targets.clamp(min=0), targets
+
+    page.update(
+        model=model,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+        loader=[padded([3, 9]), padded([12, 2]), padded([5, 5]), padded([16, 1])],
+    )
