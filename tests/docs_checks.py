@@ -68,7 +68,8 @@ def sharded_resume(page: dict[str, Any]) -> None:
         sharded_run("dcp", crash_at=12)
         resumed = sharded_run("dcp")
         whole = sharded_run("dcp-whole")
-        assert resumed is not None and whole is not None
+        assert resumed is not None
+        assert whole is not None
         assert all(torch.equal(p, q) for p, q in zip(resumed, whole, strict=True))
     finally:
         _end_group()
@@ -91,7 +92,8 @@ def elastic_resume(page: dict[str, Any]) -> None:
         assert saved["global_order"]["samples"] == 512
         resumed = elastic_run("elastic", plain_model)
         whole = elastic_run("elastic-whole", plain_model)
-        assert all(torch.equal(p, q) for p, q in zip(resumed.parameters(), whole.parameters()))
+        pairs = zip(resumed.parameters(), whole.parameters(), strict=True)
+        assert all(torch.equal(p, q) for p, q in pairs)
     finally:
         _end_group()
 
@@ -197,7 +199,8 @@ def registered_strategy(page: dict[str, Any]) -> None:
         for batch in acc.epoch(page["loader"]):
             with acc.microstep(wrapped(batch).square().mean()):
                 pass
-    assert wrapped.seen == [False, True] * 5 and wrapped.syncing
+    assert wrapped.seen == [False, True] * 5
+    assert wrapped.syncing
 
 
 def migration_setup(page: dict[str, Any]) -> None:
@@ -240,3 +243,31 @@ def token_setup(page: dict[str, Any]) -> None:
         optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
         loader=[padded([3, 9]), padded([12, 2]), padded([5, 5]), padded([16, 1])],
     )
+
+
+def accelerate_setup(page: dict[str, Any]) -> None:
+    """migration.md, "Hugging Face Accelerate": a DataLoader for Accelerate to prepare,
+    keeping the page's plain loader and scheduler for the sections after it."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    page["plain_loader"], page["plain_scheduler"] = page["loader"], page["scheduler"]
+    page["loader"] = DataLoader(TensorDataset(torch.randn(40, 4), torch.randn(40, 1)), batch_size=4)
+
+
+def accelerate_check(page: dict[str, Any]) -> None:
+    """migration.md, "Hugging Face Accelerate": the loop took 2 optimizer steps, its
+    horizon; gradaccum stepped the torch objects inside the prepared ones, the scheduler
+    once per window, not per process. Then Accelerate's state is reset and the page's
+    plain objects are put back for the sections after it."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    acc, scheduler, optimizer, model = (page[k] for k in ("acc", "scheduler", "optimizer", "model"))
+    assert acc.global_step == 2 == page["horizon"]
+    assert acc.schedulers[0] is scheduler.scheduler
+    assert scheduler.scheduler.last_epoch == 2  # once per window, not per process
+    assert acc.optimizers[0] is optimizer.optimizer
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    page["model"] = model.module if hasattr(model, "module") else model
+    page["optimizer"] = optimizer.optimizer
+    page["loader"], page["scheduler"] = page["plain_loader"], page["plain_scheduler"]
