@@ -13,5 +13,7 @@ python -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$out/test
 tests=${PIPESTATUS[0]}
 python benchmarks/gpu.py ${QUICK:+--quick} --json "$out/gpu.json" 2>&1 | tee "$out/gpu.txt"
 bench=${PIPESTATUS[0]}
-echo "tests/test_cuda.py exit $tests; benchmarks/gpu.py exit $bench"
-exit $((tests || bench))
+python benchmarks/gpu_oom.py 2>&1 | tee "$out/gpu_oom.txt"  # a real CUDA OOM, recovered (issue 44)
+oom=${PIPESTATUS[0]}
+echo "tests/test_cuda.py exit $tests; benchmarks/gpu.py exit $bench; benchmarks/gpu_oom.py exit $oom"
+exit $((tests || bench || oom))

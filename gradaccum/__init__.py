@@ -8,6 +8,7 @@ from gradaccum.errors import (
     GradaccumError,
     GradaccumWarning,
     NonFiniteError,
+    OutOfMemoryError,
     RankFailedError,
     UsageError,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "GradaccumError",
     "GradaccumWarning",
     "NonFiniteError",
+    "OutOfMemoryError",
     "RankFailedError",
     "Step",
     "SyncPolicy",

@@ -8,16 +8,17 @@ makes and owns the window's own parts, the epoch hand-out (epochs.py) and the ch
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
 from typing_extensions import Self
 
-from gradaccum import block, boundary, checkpoint, checks, epochs
+from gradaccum import batchstep, block, boundary, checkpoint, checks, epochs
 from gradaccum.checks import NonFinitePolicy
 from gradaccum.errors import ConfigTypeError, UsageError, describe, warn
+from gradaccum.fitting import MicrobatchOption
 from gradaccum.ranks import Ranks
 from gradaccum.schedule import check_steps
 from gradaccum.step import Step
@@ -72,6 +73,12 @@ class Accumulator:
             all-reduced at its boundary (one scalar all-reduce per window under several
             ranks; nothing on one process). With ``num_items`` it is free and always
             reported.
+        microbatch: How `step` cuts a batch: rows per microbatch (an int), ``"auto"`` (the
+            largest that fits, found by halving on out-of-memory errors, which re-run the
+            window smaller), or None (the whole batch at once). ``"auto"`` on several
+            ranks costs one all-reduce of two integers per window, and is refused where a
+            microstep other than the window's last backward communicates (FSDP,
+            ``fully_shard``, DDP broadcasting buffers, ``sync="every"``).
 
     Raises:
         UsageError: An optimizer is owned by another open accumulator whose window is
@@ -117,6 +124,7 @@ class Accumulator:
         sync: SyncPolicy = "auto",
         on_nonfinite: NonFinitePolicy | None = None,
         global_loss: bool = False,
+        microbatch: MicrobatchOption = None,
     ) -> None:
         scaler = checks.check_scaler(scaler)
         parts = checks.check_parts(model, optimizer, scheduler, scaler)
@@ -129,9 +137,12 @@ class Accumulator:
             on_nonfinite=on_nonfinite,
             global_loss=global_loss,
             optimizers=len(parts.optimizers),
+            microbatch=microbatch,
         )
         self.model = model
         strategy = self._strategy_for(steps)
+        if self._options.microbatch == "auto":
+            checks.refuse_auto(strategy, _world(strategy), self._options.sync)
         previous = block.owners_of(parts.optimizers)
         for owner in previous:
             _refuse_open_window(owner.window, "optimizer", "optimizer")
@@ -159,8 +170,10 @@ class Accumulator:
         )
 
     def _strategy_for(self, steps: int) -> SyncStrategy:
-        # With steps=1 every microstep is a boundary: nothing is ever deferred.
-        return strategy_for(self.model, "every" if steps == 1 else self._options.sync)
+        # With steps=1 every microstep is a boundary, nothing is ever deferred, unless
+        # `step` cuts its batch into microbatches.
+        every = steps == 1 and self._options.microbatch is None
+        return strategy_for(self.model, "every" if every else self._options.sync)
 
     # Properties -------------------------------------------------------------------
 
@@ -197,6 +210,13 @@ class Accumulator:
             # The policy becomes, or stops being, "every": may refuse, changing nothing.
             strategy = self._strategy_for(steps)
         started.set_steps(steps, strategy)
+
+    @property
+    def microbatch(self) -> int | None:
+        """The rows per microbatch that `step` cuts batches into: the fixed one, the one
+        ``microbatch="auto"`` found (None before its first window), or None for the
+        whole batch. Saved in `state_dict`."""
+        return self._block.fit.microbatch
 
     @property
     def global_step(self) -> int:
@@ -269,6 +289,56 @@ class Accumulator:
             num_items = block.check_items(window, num_items)
         started.loss, started.num_items, started.busy = loss, num_items, True
         return started
+
+    def step(self, batch: Any, loss_fn: Callable[[nn.Module, Any], Any]) -> Step:
+        """One window from one per-rank batch: cut it into microbatches, back-propagate each
+        one's loss and step once.
+
+        The batch (a tensor, or dicts, lists, tuples and dataclasses of tensors) is cut
+        along dim 0 into microbatches of `microbatch` rows, the last one shorter where they
+        do not divide it; other leaves go to every microbatch as they are. Each one's loss
+        is ``loss_fn(model, microbatch)``: its mean loss, or a ``(loss_sum, num_items)``
+        pair. Each runs the microstep of ``with acc.microstep(loss):`` and the last one the
+        boundary and the step, so every option applies as there. Mean losses of unequal
+        microbatches are weighed by their rows: the update is the batch's mean-loss
+        gradient whatever the cut.
+
+        With ``microbatch="auto"`` an out-of-memory error in any forward or backward of the
+        window, on any rank, discards the window's gradient on every rank and re-runs the
+        same samples with half the microbatch, which is kept for later windows; the result
+        is that of the run that used the smaller microbatch from the start.
+
+        Args:
+            batch: This rank's batch: the window.
+            loss_fn: ``loss_fn(model, microbatch)``, returning the microbatch's 0-dim mean
+                loss, or a ``(loss_sum, num_items)`` pair.
+
+        Returns:
+            The window's `Step` (its boundary's, after the step): ``step.microbatch`` is
+            the microbatch it ran with.
+
+        Raises:
+            ConfigError: The batch's tensors disagree on dim 0 (or it has none, or no
+                rows), or ``loss_fn`` returned a loss that is not 0-dim or does not require
+                grad, or mixed the two forms.
+            ConfigTypeError: ``loss_fn`` is not callable, or returned neither a tensor nor
+                a pair.
+            UsageError: A window of `microstep` is open, ``steps`` is not 1, or the
+                accumulator is closed.
+            OutOfMemoryError: Under ``"auto"``, a microbatch of one row ran out of memory
+                (on every rank, naming the rank), or the window's last backward did on
+                this rank once the other ranks' all-reduce had started (they raise
+                `RankFailedError` naming it). Nothing was applied.
+
+        Examples:
+            >>> model = torch.nn.Linear(3, 1)
+            >>> acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1),
+            ...                   microbatch=2)
+            >>> step = acc.step(torch.randn(5, 3), lambda m, x: m(x).square().mean())
+            >>> step.microbatch, acc.global_step
+            (2, 1)
+        """
+        return batchstep.run(self._block, self.model, batch, loss_fn)
 
     # Epochs -----------------------------------------------------------------------
 
@@ -427,6 +497,12 @@ class Accumulator:
             f"Accumulator({several}steps={counts.steps}, global_step={counts.global_step}, "
             f"window={window.done}/{window.size})"
         )
+
+
+def _world(strategy: SyncStrategy) -> int:
+    """How many ranks ``strategy``'s process group holds (1 without one)."""
+    group = strategy.group
+    return 1 if group is None else torch.distributed.get_world_size(group)
 
 
 def _refuse_open_window(window: Window, what: str, other: str) -> None:

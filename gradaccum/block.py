@@ -4,7 +4,8 @@ leaving it, and what a failure anywhere in a window leaves behind.
 
 `Microstep` is the accumulator's working state: the facade makes it with the parts it
 needs (the optimizers' `Params`, the `Stepper`, the `Ranks`, the `Options`) and it makes
-the window's own (`Window`, `Counts`, `EpochPlan`, `GradWatch`, `Lifecycle`, `Arming`),
+the window's own (`Window`, `Counts`, `EpochPlan`, `GradWatch`, `Lifecycle`, `Arming`,
+`Fit`),
 which the epoch hand-out (epochs.py) and the checkpoint (checkpoint.py) read through it.
 A microstep between a window's first and last is a few attribute reads and the backward
 a hand loop runs.
@@ -13,7 +14,8 @@ a hand loop runs.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any, NoReturn
 
 import torch
@@ -24,6 +26,7 @@ from gradaccum.arming import Arming
 from gradaccum.boundary import Params
 from gradaccum.checks import Options
 from gradaccum.errors import NonFiniteError, RankFailedError, UsageError, warn
+from gradaccum.fitting import Fit
 from gradaccum.misuse import GradWatch
 from gradaccum.plan import EpochPlan
 from gradaccum.ranks import Ranks
@@ -63,8 +66,12 @@ class Microstep:
     or freed unclosed).
 
     Attributes:
-        window, counts, plan, grads, life, arming, stepper: The parts it makes and owns.
+        window, counts, plan, grads, life, arming, stepper, fit: The parts it makes and
+            owns.
         params, ranks, options: The parts it was given.
+        spare: While `sparing`: which errors of a microstep's backward or boundary leave the
+            window to the caller, which re-runs it (`Accumulator.step` after running out of
+            memory), instead of failing it.
     """
 
     __slots__ = (
@@ -72,6 +79,7 @@ class Microstep:
         "arming",
         "busy",
         "counts",
+        "fit",
         "grads",
         "life",
         "loss",
@@ -81,6 +89,7 @@ class Microstep:
         "plan",
         "ranks",
         "release",
+        "spare",
         "step",
         "stepper",
         "window",
@@ -108,6 +117,8 @@ class Microstep:
         self.grads = GradWatch()
         self.life = Lifecycle(stopped=self.stop)
         self.arming = Arming(model, strategy, every=options.sync == "every")
+        self.fit = Fit(options.microbatch)
+        self.spare: Callable[[BaseException], bool] | None = None
         self.busy = False
         self.loss: torch.Tensor | None = None
         self.num_items: int | torch.Tensor | None = None
@@ -164,6 +175,30 @@ class Microstep:
         self.plan.recut(steps)
         window.reset(self.plan.next_window_size(steps))
         self.arm()
+
+    def size_window(self, size: int) -> None:
+        """The window about to open takes ``size`` microsteps (the microbatches
+        `Accumulator.step` cut its batch into), armed for the first."""
+        self.window.resize(size)
+        self.arm()
+
+    def hand(self, loss: torch.Tensor, num_items: int | torch.Tensor | None) -> Microstep:
+        """What `Accumulator.microstep` does with a checked ``loss`` and ``num_items``: hold
+        them for the block, which is returned."""
+        if self.busy:
+            self.refuse()
+        self.loss, self.num_items, self.busy = loss, num_items, True
+        return self
+
+    @contextmanager
+    def sparing(self, spare: Callable[[BaseException], bool] | None) -> Iterator[None]:
+        """Inside, an error of a microstep's backward or boundary for which ``spare`` holds
+        is raised as it is, the window left for the caller to discard and re-run (`spare`)."""
+        self.spare = spare
+        try:
+            yield
+        finally:
+            self.spare = None
 
     def forward_failed(self, error: BaseException) -> RankFailedError | None:
         """A forward of the model raised, outside a microstep block (the block's exit sees an
@@ -258,6 +293,9 @@ class Microstep:
         except BaseException as error:
             window.in_block = False
             self.busy = self.life.state is not _OPEN
+            spare = self.spare
+            if spare is not None and spare(error):
+                raise  # the caller discards the window and re-runs it
             _note_backward_already(error)
             failed = self.fail(error, in_collectives=True)
             if failed is not None:
@@ -372,6 +410,12 @@ class Microstep:
         clean."""
         self.stepper.clear()
         self.next_window()
+
+    def discard_window(self) -> None:
+        """Drop the window, on every rank at once, to re-run it: its gradient cleared, its
+        state reset, and whatever its forwards prepared in the wrapper forgotten."""
+        self.arming.strategy.discard()
+        self.drop_window()
 
     def unplanned_window(self) -> None:
         """Outside an epoch, a window that has not started takes ``steps`` microsteps: a

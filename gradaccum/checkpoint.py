@@ -63,6 +63,7 @@ def save(started: Microstep, include_grads: bool) -> dict[str, Any]:
             global_position=None if order is None else order.trained_after(position),
             by_items=plan.by_items,
             handed_out=plan.pending,
+            microbatch=started.fit.state(),
         ).to_dict()
     )
 
@@ -97,6 +98,7 @@ def load(
     if saved.window is not None:
         _check_window_fits(started, saved.window, params)
     started.counts.load(saved.global_step, saved.skipped_steps)
+    started.fit.load(saved.microbatch)
     started.stepper.reread_schedulers()
     done = 0 if saved.window is None else saved.window.microsteps
     if rescale is None:

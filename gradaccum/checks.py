@@ -15,8 +15,9 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from gradaccum import foreign
 from gradaccum.boundary import params_of
 from gradaccum.errors import ConfigError, ConfigTypeError, describe
+from gradaccum.fitting import MicrobatchOption
 from gradaccum.schedule import check_bool, check_count
-from gradaccum.sync import SyncPolicy
+from gradaccum.sync import SyncPolicy, SyncStrategy
 
 __all__ = [
     "NonFinitePolicy",
@@ -24,11 +25,13 @@ __all__ = [
     "Parts",
     "check_choice",
     "check_max_grad_norm",
+    "check_microbatch",
     "check_num_items",
     "check_on_nonfinite",
     "check_options",
     "check_parts",
     "check_scaler",
+    "refuse_auto",
     "refuse_loss",
 ]
 
@@ -343,6 +346,7 @@ class Options:
     on_nonfinite: NonFinitePolicy | None
     global_loss: bool
     check_finite: bool
+    microbatch: MicrobatchOption = None
 
 
 def check_options(
@@ -354,6 +358,7 @@ def check_options(
     on_nonfinite: NonFinitePolicy | None,
     global_loss: object,
     optimizers: int,
+    microbatch: object = None,
 ) -> Options:
     """Check the keyword options (``scaler`` checked already; ``optimizers``: how many)."""
     return Options(
@@ -364,7 +369,65 @@ def check_options(
         on_nonfinite=check_on_nonfinite(on_nonfinite, scaler),
         global_loss=check_bool(global_loss, "global_loss"),
         check_finite=on_nonfinite is not None or (scaler is not None and optimizers > 1),
+        microbatch=check_microbatch(microbatch),
     )
+
+
+def check_microbatch(value: object) -> MicrobatchOption:
+    """Return ``microbatch`` if it is a positive int, ``"auto"`` or None, else refuse it."""
+    if value is None or value == "auto":
+        return value
+    accepted = (
+        "a positive int (rows per microbatch), 'auto' (the largest that fits, found by "
+        "halving on out-of-memory errors) or None (the whole batch)"
+    )
+    if isinstance(value, str):
+        msg = f"microbatch must be {accepted}, got {describe(value)}; pass microbatch='auto'"
+        raise ConfigError(msg)
+    if not isinstance(value, int) or isinstance(value, bool):
+        msg = f"microbatch must be {accepted}, got {describe(value)}"
+        raise ConfigTypeError(msg)
+    if value < 1:
+        msg = f"microbatch must be {accepted}, got {value}; pass microbatch=1 or more"
+        raise ConfigError(msg)
+    return value
+
+
+def refuse_auto(strategy: SyncStrategy, ranks: int, sync: SyncPolicy) -> None:
+    """Refuse ``microbatch="auto"`` on several ``ranks`` where a microstep other than the
+    boundary's backward communicates: a rank that ran out of memory would leave the others
+    inside that collective (FSDP's all-gather in every forward, DDP's buffer broadcast, an
+    all-reduce in every backward under ``sync="every"``)."""
+    if ranks == 1:
+        return
+    wrapping = type(strategy).__name__
+    if strategy.forward_communicates:
+        where = (
+            "the model's forward runs a collective (FSDP's and fully_shard's all-gather of "
+            "the parameters, DDP's broadcast of its buffers)"
+        )
+        fix = (
+            "pass a fixed microbatch=<rows> (the largest that fits, found with "
+            "microbatch='auto' on one rank, or under DDP); for DDP with buffers, "
+            "broadcast_buffers=False makes its forward collective-free"
+        )
+    elif sync == "every":
+        where = "sync='every' all-reduces the gradient in every microstep's backward"
+        fix = "pass sync='auto' (the all-reduce in the window's last backward alone)"
+    elif strategy.decides_in_forward and not getattr(strategy, "can_discard", lambda: False)():
+        where = (
+            "its forward prepares the all-reduce of a backward that a discarded window never "
+            "runs, and this torch has no reducer reset (Reducer._reset_state) to forget it"
+        )
+        fix = "wrap the model in DistributedDataParallel itself, or pass a fixed microbatch=<rows>"
+    else:
+        return
+    msg = (
+        f"microbatch='auto' is refused under {wrapping} on {ranks} ranks: {where}, so a rank "
+        "that runs out of memory would leave the others waiting inside it instead of "
+        f"re-running the window smaller; {fix}"
+    )
+    raise ConfigError(msg)
 
 
 def check_choice(value: T, name: str, choices: tuple[object, ...]) -> T:

@@ -11,6 +11,7 @@ __all__ = [
     "GradaccumError",
     "GradaccumWarning",
     "NonFiniteError",
+    "OutOfMemoryError",
     "RankFailedError",
     "UsageError",
     "describe",
@@ -67,6 +68,28 @@ class RankFailedError(GradaccumError, RuntimeError):
 
     def __reduce__(self) -> tuple[type, tuple[str, int, int, bool]]:
         return type(self), (str(self), self.rank, self.window, self.applied)
+
+
+class OutOfMemoryError(GradaccumError, RuntimeError):
+    """A window of `Accumulator.step` ran out of memory where it cannot be re-run smaller:
+    its microbatch was one row, or the boundary's gradient all-reduce had started on the
+    other ranks. Nothing was applied. Not ``torch.OutOfMemoryError``, which it is raised
+    from on the rank that ran out.
+
+    Attributes:
+        rank: The rank that ran out of memory.
+        microbatch: The rows per microbatch that did not fit.
+        window: The window, numbered from 1 (the optimizer step it would have become).
+    """
+
+    def __init__(self, msg: str, rank: int, microbatch: int, window: int) -> None:
+        super().__init__(msg)
+        self.rank = rank
+        self.microbatch = microbatch
+        self.window = window
+
+    def __reduce__(self) -> tuple[type, tuple[str, int, int, int]]:
+        return type(self), (str(self), self.rank, self.microbatch, self.window)
 
 
 class GradaccumWarning(UserWarning):

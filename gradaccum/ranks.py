@@ -1,5 +1,6 @@
 """The ranks that hold the model's gradients: the scalar collectives the accumulator adds
-(length agreement, the item total, the finite flag) and the record of which rank failed."""
+(length agreement, the item total, the finite flag, `Accumulator.step`'s agreement on
+running out of memory) and the record of which rank failed."""
 
 from __future__ import annotations
 
@@ -67,6 +68,15 @@ class Ranks:
                     "the data evenly (e.g. DistributedSampler) to train on all of it"
                 )
         return least
+
+    def least(self, values: list[int]) -> list[int]:
+        """The element-wise least of ``values`` over the ranks: one all-reduce, read on
+        the host."""
+        if self.count == 1:
+            return values
+        ends = torch.tensor(values, dtype=torch.int64, device=self.device)
+        dist.all_reduce(ends, op=dist.ReduceOp.MIN, group=self.group)
+        return [int(end) for end in ends.tolist()]
 
     def total(self, local: torch.Tensor) -> torch.Tensor:
         """``local`` summed over the ranks, in place (a float64 or int64 0-dim tensor)."""

@@ -1,7 +1,7 @@
 """The checkpoint record: the saved format of `Accumulator.state_dict`, its versions, and
 its parsing, validated whole before anything is loaded (no torch: tensors are opaque).
 
-Version 7 (this one): ``position`` is where the next window starts, or with a ``window``
+Version 8 (this one): ``position`` is where the next window starts, or with a ``window``
 the microbatches its saved gradient holds; a microbatch handed out but not yet
 back-propagated is not counted, so the resumed epoch hands it out again. The rest of the
 epoch is cut into windows from ``position`` with the saved ``steps``, which is what the
@@ -21,12 +21,15 @@ whether a microbatch had been handed out and not yet back-propagated (a state sa
 top of the loop body, also of an epoch's first microbatch, at ``position`` 0): the
 uninterrupted run drew it, and made the epoch's iterator, before the random state saved
 with the state, so the resumed epoch draws it again where that does not move the random
-state, as it draws the microbatches trained.
+state, as it draws the microbatches trained. ``microbatch`` is the rows per microbatch of
+`Accumulator.step` (fixed, or found by ``microbatch="auto"``; None: the whole batch, or not
+found yet).
 
-Versions 1 to 6 load the same way, with nothing recorded to check (no ``world_size`` or
+Versions 1 to 7 load the same way, with nothing recorded to check (no ``world_size`` or
 ``epoch_length`` before 5, no ``global_order`` before 6, so that a state saved mid-epoch
 resumes on its own world size only), no epoch completed (no ``epochs_completed`` before
-4, no ``skipped_steps`` in 1) and nothing ``handed_out`` (before 7).
+4, no ``skipped_steps`` in 1), nothing ``handed_out`` (before 7) and no ``microbatch``
+(before 8).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ __all__ = [
     "parse",
 ]
 
-VERSION = 7
+VERSION = 8
 
 
 class OrderDict(TypedDict):
@@ -98,6 +101,7 @@ class StateDict(TypedDict):
     global_position: int | None
     by_items: bool | None
     handed_out: bool
+    microbatch: int | None
     window: NotRequired[WindowDict]
 
 
@@ -135,6 +139,9 @@ class Checkpoint:
             not recorded.
         handed_out: A microbatch had been handed out and not yet back-propagated (saved
             at the top of the loop body; False: not, or not recorded).
+        microbatch: The rows per microbatch of `Accumulator.step` (fixed, or found by
+            ``microbatch="auto"``); None: the whole batch, not found yet, or not recorded
+            (before version 8).
     """
 
     steps: int
@@ -151,6 +158,7 @@ class Checkpoint:
     global_position: int | None = None
     by_items: bool | None = None
     handed_out: bool = False
+    microbatch: int | None = None
 
     def to_dict(self) -> StateDict:
         state = StateDict(
@@ -168,6 +176,7 @@ class Checkpoint:
             global_position=self.global_position,
             by_items=self.by_items,
             handed_out=self.handed_out,
+            microbatch=self.microbatch,
         )
         if self.window is not None:
             state["window"] = self.window.to_dict()
@@ -374,6 +383,9 @@ def parse(state: object, is_tensor: Callable[[object], bool]) -> Checkpoint:
         if by_items is not None:
             by_items = check_bool(by_items, "state['by_items']")
     handed_out = version >= 7 and check_bool(state.get("handed_out"), "state['handed_out']")
+    microbatch = state.get("microbatch") if version >= 8 else None
+    if microbatch is not None:
+        microbatch = check_positive(microbatch, "state['microbatch']")
     saved = state.get("window")
     window = None if saved is None else _parse_window(saved, is_tensor)
     return Checkpoint(
@@ -391,6 +403,7 @@ def parse(state: object, is_tensor: Callable[[object], bool]) -> Checkpoint:
         global_position=trained,
         by_items=by_items,
         handed_out=handed_out,
+        microbatch=microbatch,
     )
 
 

@@ -31,6 +31,8 @@ class Step:
             ``scheduler.get_last_lr()`` read after it is the next window's.
         lrs: The same for each optimizer, in the order given: one entry per optimizer
             (``lrs[0]`` is ``lr``); ``()`` off the boundary.
+        microbatch: The rows per microbatch the window ran with, in `Accumulator.step`
+            (after any out-of-memory retries); ``None`` in the ``with`` form.
         skipped: The window was not applied (no optimizer or scheduler step) because
             its gradient held inf/NaN: known in the block under ``on_nonfinite="skip"``
             (and with a GradScaler and several optimizers), and once the block has exited
@@ -44,6 +46,7 @@ class Step:
     global_step: int = 0
     grad_norm: torch.Tensor | None = None
     lrs: tuple[float | torch.Tensor | None, ...] = ()
+    microbatch: int | None = None
     skipped: bool = False
     _losses: Sequence[torch.Tensor] = ()
     _divisor: int | torch.Tensor = 1
@@ -114,6 +117,8 @@ class Step:
         shown = [f"{name}={getattr(self, name)!r}" for name in fields]
         if len(self.lrs) > 1:
             shown.insert(-1, f"lrs={self.lrs!r}")
+        if self.microbatch is not None:
+            shown.insert(-1, f"microbatch={self.microbatch!r}")
         return f"Step({', '.join(shown)})"
 
 

@@ -102,6 +102,12 @@ class SyncStrategy(Protocol):
         decides in the forward saw another state); else, and by default, None."""
         return None
 
+    def discard(self) -> None:
+        """Called when a window's forwards are dropped without their backwards, on every
+        rank at once (`Accumulator.step` re-running a window that ran out of memory): forget
+        what the wrapper prepared for a backward that will not run (by default nothing)."""
+        return
+
 
 StrategyFactory = Callable[[nn.Module, SyncPolicy], SyncStrategy]
 """Builds the strategy for a model (unwrapped from ``torch.compile``) under a policy."""
@@ -179,6 +185,24 @@ class DDPSync(SyncStrategy):
         self._armed = armed = self._will_sync(sync)
         self._ddp.require_backward_grad_sync = armed
         return armed is sync
+
+    def discard(self) -> None:
+        """A forward armed to all-reduce left DDP's reducer expecting its backward, whose
+        hooks would then all-reduce in the next backward, deferred or not: reset it (torch's
+        ``Reducer._reset_state``, what DDP's own ``_update_process_group`` calls; it also
+        rebuilds the buckets after the next all-reducing backward, one broadcast, on every
+        rank alike). Where torch has no such reset, `can_discard` is False."""
+        for ddp in self.wrappers:
+            reset = getattr(getattr(ddp, "reducer", None), "_reset_state", None)
+            if reset is not None:
+                reset()
+
+    def can_discard(self) -> bool:
+        """Every DDP held has a reducer that `discard` can reset."""
+        return all(
+            callable(getattr(getattr(ddp, "reducer", None), "_reset_state", None))
+            for ddp in self.wrappers
+        )
 
     def restore(self) -> None:
         """Put back each flag as it was found (before any strategy still holding it set it)."""

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.util
+import io
 import itertools
+import sys
 import warnings
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import nullcontext, redirect_stdout
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -641,3 +646,26 @@ def global_losses(
         "collectives": dict(counter.ops),
         "host_syncs": counter.host_syncs,
     }
+
+
+def distributed_example(rank: int, world: int, *argv: str) -> str:
+    """examples/distributed.py's ``main()`` with ``argv`` on this rank, in the launcher's
+    group (its own ``init_process_group`` and ``destroy_process_group`` left out: the
+    group is made already); what it printed. One torchrun launch runs the script whole
+    (tests/test_distributed.py): this runs its other wrappings without a process start
+    per rank."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "distributed.py"
+    spec = importlib.util.spec_from_file_location("distributed_example", path)
+    assert spec is not None
+    assert spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    printed = io.StringIO()
+    with (
+        mock.patch.object(sys, "argv", [str(path), *argv]),
+        mock.patch.object(dist, "init_process_group"),
+        mock.patch.object(dist, "destroy_process_group"),
+        redirect_stdout(printed),
+    ):
+        example.main()
+    return printed.getvalue()

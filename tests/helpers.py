@@ -7,6 +7,7 @@ import io
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -204,3 +205,51 @@ def reference_run(
             if scheduler is not None:
                 scheduler.step()
     return twin
+
+
+# acc.step's loss functions, and an out-of-memory error injected into one ----------
+
+
+def mean_fn(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """A microbatch's mean loss, as `Accumulator.step` takes it."""
+    return mean_loss(model, batch)
+
+
+def items_fn(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, int]:
+    """A microbatch's summed loss and its rows, as `Accumulator.step` takes them."""
+    return sum_loss(model, batch), len(batch[0])
+
+
+POINTS = [
+    f"{where}-{phase}" for where in ("first", "middle", "last") for phase in ("forward", "backward")
+]
+"""Where in a window `oom_at` injects: the first, second or last microbatch's forward or
+backward."""
+
+
+def _raise_oom(*_: object) -> None:
+    raise torch.OutOfMemoryError("injected: CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def oom_at(point: str, limit: int, fn: Callable[..., Any] = mean_fn) -> Callable[..., Any]:
+    """``fn``, raising torch.OutOfMemoryError at ``point`` (`POINTS`) of every window whose
+    microbatches are over ``limit`` rows: in the forward, or from a hook on the model's
+    output, at the start of the backward. The microbatch's place in the window is read from
+    where its rows start in the batch, a contiguous tensor its pieces are views of."""
+    where, phase = point.split("-")
+
+    def loss_fn(model: nn.Module, batch: Batch) -> Any:
+        x = batch[0]
+        rows, start = len(x), x.storage_offset() // x.stride(0)
+        last = start + rows == x.untyped_storage().nbytes() // (x.element_size() * x.stride(0))
+        hit = {"first": start == 0, "middle": start == rows and not last, "last": last}[where]
+        if not (hit and rows > limit):
+            return fn(model, batch)
+        if phase == "forward":
+            _raise_oom()
+        out = model(x)
+        out.register_hook(_raise_oom)
+        errors = (out - batch[1]).square()
+        return (errors.sum(), rows) if fn is items_fn else errors.mean()
+
+    return loss_fn

@@ -117,6 +117,10 @@ def namespace() -> dict[str, Any]:
     resumed_acc = gradaccum.Accumulator(
         resumed_model, torch.optim.SGD(resumed_model.parameters(), lr=0.1), steps=2
     )
+    step_model = make_model(seed=4)
+    step_acc = gradaccum.Accumulator(
+        step_model, torch.optim.SGD(step_model.parameters(), lr=0.1), microbatch=2
+    )
     mid_epoch = {"position": 4, "global_step": 2, "epoch_length": 8}  # 2 windows into 8
     resumed_acc.load_state_dict(dict(resumed_acc.state_dict(), **mid_epoch))
     return {
@@ -147,6 +151,8 @@ def namespace() -> dict[str, Any]:
         "open_model": open_model,
         "open_acc": open_acc,
         "resumed_acc": resumed_acc,
+        "step_model": step_model,
+        "step_acc": step_acc,
         "saved_window": open_acc.state_dict(include_grads=True)["window"],
         "parser": gradaccum.add_arguments(argparse.ArgumentParser(prog="train")),
     }
@@ -226,6 +232,8 @@ def test_bad_input_is_refused_as_documented(
     assert repr(names["open_acc"]) == "Accumulator(steps=2, global_step=0, window=1/2)"
     assert repr(names["resumed_acc"]) == "Accumulator(steps=2, global_step=2, window=0/2)"
     assert names["resumed_acc"].position == 4
+    assert repr(names["step_acc"]) == "Accumulator(steps=1, global_step=0, window=0/1)"
+    assert all(param.grad is None for param in names["step_model"].parameters())
 
 
 # Every public callable, mapped to what its rows' calls start with.
@@ -233,6 +241,7 @@ CALLS: dict[str, tuple[Callable[..., Any], str]] = {
     "Accumulator": (gradaccum.Accumulator, "Accumulator("),
     "Accumulator.microstep": (gradaccum.Accumulator.microstep, "acc.microstep("),
     "Accumulator.epoch": (gradaccum.Accumulator.epoch, "acc.epoch("),
+    "Accumulator.step": (gradaccum.Accumulator.step, "step_acc.step("),
     "Accumulator.state_dict": (gradaccum.Accumulator.state_dict, "acc.state_dict("),
     "Accumulator.load_state_dict": (
         gradaccum.Accumulator.load_state_dict,

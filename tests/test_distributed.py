@@ -460,14 +460,18 @@ LOG = re.compile(r"epoch (\d+) step (\d+/\d+) loss (\S+) grad norm (\S+)")
     ("wrapping", "nproc"), [("ddp", 2), ("fsdp1", 2), ("fully_shard", 2), ("hsdp", 4)]
 )
 def test_the_distributed_example_logs_the_big_batch_loss(wrapping: str, nproc: int) -> None:
-    """examples/distributed.py, launched as its docstring says (4 microbatches a window by
-    default), trains the steps it should and logs the whole job's window loss and the
-    gradient norm of the big batch of every rank's window, under every wrapping. Logging
-    rank 0's own `step.loss`, or averaging the ranks' without weighing them by their
-    items, does not match."""
-    result = torchrun(ROOT / "examples" / "distributed.py", nproc, "--wrap", wrapping)
-    assert result.returncode == 0, result.stderr[-3000:]
-    *lines, last = result.stdout.splitlines()
+    """examples/distributed.py, launched as its docstring says under DDP (the other
+    wrappings run its main() on the launcher's ranks; 4 microbatches a window by default),
+    trains the steps it should and logs the whole job's window loss and the gradient norm
+    of the big batch of every rank's window. Logging rank 0's own `step.loss`, or
+    averaging the ranks' without weighing them by their items, does not match."""
+    if wrapping == "ddp":  # as its docstring says, whole
+        result = torchrun(ROOT / "examples" / "distributed.py", nproc, "--wrap", wrapping)
+        assert result.returncode == 0, result.stderr[-3000:]
+        printed = result.stdout
+    else:  # its main() on the launcher's ranks, which torch was imported into once
+        printed = run(distributed.distributed_example, nproc, "--wrap", wrapping)[0]
+    *lines, last = printed.splitlines()
     windows = 512 // nproc // 8 // 4
     assert last == f"{2 * windows} optimizer steps on {nproc} ranks ({wrapping})"
     expected = _example_reference(nproc, epochs=2)

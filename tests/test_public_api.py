@@ -29,6 +29,7 @@ def test_exports_are_pinned() -> None:
         "GradaccumError",
         "GradaccumWarning",
         "NonFiniteError",
+        "OutOfMemoryError",
         "RankFailedError",
         "Step",
         "SyncPolicy",
@@ -102,11 +103,13 @@ def test_errors_subclass_the_matching_builtins() -> None:
     assert issubclass(gradaccum.UsageError, RuntimeError)
     assert issubclass(gradaccum.NonFiniteError, FloatingPointError)
     assert issubclass(gradaccum.RankFailedError, RuntimeError)
+    assert issubclass(gradaccum.OutOfMemoryError, RuntimeError)
     for error in (
         gradaccum.ConfigError,
         gradaccum.ConfigTypeError,
         gradaccum.UsageError,
         gradaccum.NonFiniteError,
+        gradaccum.OutOfMemoryError,
         gradaccum.RankFailedError,
     ):
         assert issubclass(error, gradaccum.GradaccumError)

@@ -92,6 +92,7 @@ def checkpoints(draw: st.DrawFn) -> Checkpoint:
         global_position=trained,
         by_items=draw(st.none() | st.booleans()),
         handed_out=draw(st.booleans()),
+        microbatch=draw(st.none() | st.integers(min_value=1, max_value=10**6)),
     )
 
 
@@ -136,10 +137,10 @@ class TestCheckpointToDict:
         assert parse(checkpoint.to_dict(), is_tensor) == checkpoint
 
     def test_the_saved_form(self) -> None:
-        """to_dict() saves version 7 and the fields by name, the world size, the epoch
+        """to_dict() saves version 8 and the fields by name, the world size, the epoch
         length, the global order and position, the last window's mode always (None
-        where not known), and whether a microbatch was handed out; no ``window`` key
-        between windows."""
+        where not known), whether a microbatch was handed out, and acc.step's microbatch;
+        no ``window`` key between windows."""
         saved = Checkpoint(
             steps=4,
             position=8,
@@ -154,9 +155,10 @@ class TestCheckpointToDict:
             global_position=64,
             by_items=True,
             handed_out=True,
+            microbatch=16,
         ).to_dict()
         assert saved == {
-            "version": 7,
+            "version": 8,
             "steps": 4,
             "position": 8,
             "global_step": 2,
@@ -170,8 +172,9 @@ class TestCheckpointToDict:
             "global_position": 64,
             "by_items": True,
             "handed_out": True,
+            "microbatch": 16,
         }
-        assert VERSION == 7
+        assert VERSION == 8
 
     def test_an_unknown_order_saves_the_same_keys(self) -> None:
         """Where the order is not known its fields are None under the same keys, so that
@@ -218,9 +221,9 @@ class TestCheckpointToDict:
 
 
 class TestParseVersions:
-    @pytest.mark.parametrize("version", [1, 2, 3, 4, 5, 6, 7])
+    @pytest.mark.parametrize("version", [1, 2, 3, 4, 5, 6, 7, 8])
     def test_known_versions_load(self, version: int) -> None:
-        """Versions 1 to 7 are read the same way."""
+        """Versions 1 to 8 are read the same way."""
         parsed = parse(state(version=version), never_tensor)
         assert (parsed.steps, parsed.position, parsed.global_step) == (4, 8, 2)
 
@@ -263,6 +266,21 @@ class TestParseVersions:
         for bad in ("yes", ..., None):
             with pytest.raises(GradaccumError, match=r"state\[.handed_out.\]"):
                 parse(state(handed_out=bad), never_tensor)
+
+    @pytest.mark.parametrize("version", [1, 2, 3, 4, 5, 6, 7])
+    def test_before_version_8_no_microbatch_was_recorded(self, version: int) -> None:
+        """Before version 8 acc.step's microbatch was not saved: it reads as None,
+        whatever the key holds."""
+        assert parse(state(version=version, microbatch=8), never_tensor).microbatch is None
+
+    def test_version_8_reads_the_microbatch(self) -> None:
+        """Version 8 reads ``microbatch`` as saved: a positive int, or None (or absent);
+        anything else is refused naming the key."""
+        assert parse(state(microbatch=8), never_tensor).microbatch == 8
+        assert parse(state(microbatch=None), never_tensor).microbatch is None
+        for bad in (0, "8", True):
+            with pytest.raises(GradaccumError, match=r"state\[.microbatch.\]"):
+                parse(state(microbatch=bad), never_tensor)
 
     def test_version_5_loads_as_before(self) -> None:
         """A version-5 state (world size and epoch length, nothing more) reads as saved."""
@@ -357,13 +375,13 @@ class TestParseVersions:
         """A state without ``sync`` reads as the default policy."""
         assert parse(state(sync=...), never_tensor).sync == "auto"
 
-    @given(version=st.integers(min_value=0, max_value=10**6).filter(lambda v: v not in range(1, 8)))
+    @given(version=st.integers(min_value=0, max_value=10**6).filter(lambda v: v not in range(1, 9)))
     def test_other_versions_are_refused(self, version: int) -> None:
         """Any other version is refused, saying which versions this gradaccum reads."""
         with pytest.raises(ConfigError) as caught:
             parse(state(version=version), never_tensor)
         assert str(caught.value) == (
-            f"state['version'] is {version}, but this gradaccum reads versions 1 to 7; "
+            f"state['version'] is {version}, but this gradaccum reads versions 1 to 8; "
             "load it with the gradaccum that saved it"
         )
 

@@ -82,11 +82,12 @@ def test_resume_at_a_window_boundary_is_bit_for_bit(stop_after: int) -> None:
 def test_state_holds_steps_position_global_step_and_policy() -> None:
     """The saved state names what a resume needs, and what it must match: the
     data-parallel world size and the length of the epoch its position lies in (None
-    between epochs, where no position is resumed)."""
+    between epochs, where no position is resumed), and acc.step's microbatch (None: not
+    set)."""
     parts = build()
     train(parts, epochs=1, stop_after=2)
     assert parts[3].state_dict() == {
-        "version": 7,
+        "version": 8,
         "steps": 4,
         "position": 8,
         "global_step": 2,
@@ -101,6 +102,7 @@ def test_state_holds_steps_position_global_step_and_policy() -> None:
         "global_position": None,
         "by_items": False,
         "handed_out": False,  # saved after a block: no microbatch awaits its microstep
+        "microbatch": None,
     }
     train(parts, epochs=1)
     assert parts[3].state_dict()["position"] == 0

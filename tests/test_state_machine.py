@@ -503,7 +503,7 @@ class AccumulatorMachine(RuleBasedStateMachine):
             "handed_out",
         )
         assert tuple(state[name] for name in fields) == (
-            7,
+            8,
             saved.steps,
             saved.position,
             saved.global_step,

@@ -11,6 +11,7 @@ from __future__ import annotations
 # Modules whose tests launch real ranks or a subprocess each.
 _SLOW_MODULES = (
     "test_accumulator_distributed",
+    "test_batchstep_distributed",
     "test_cross_distributed",
     "test_distributed",
     "test_edges_distributed",
@@ -24,6 +25,13 @@ SLOW: tuple[str, ...] = (
     *(f"tests/{module}.py::" for module in _SLOW_MODULES),
     "tests/test_state_machine.py::TestChunk",  # but its first: 30 sequences
     "tests/test_accumulator.py::TestItemNormalizationInFloat16::test_a_window_of_80000_items_in_float16",
+    # (the item-mode cases of each point; the distributed module holds them at every point too)
+    "tests/test_batchstep.py::TestOutOfMemory::test_a_window_re_runs_smaller_into_the_small_microbatch_run[first-forward-items]",
+    "tests/test_batchstep.py::TestOutOfMemory::test_a_window_re_runs_smaller_into_the_small_microbatch_run[first-backward-items]",
+    "tests/test_batchstep.py::TestOutOfMemory::test_a_window_re_runs_smaller_into_the_small_microbatch_run[middle-forward-items]",
+    "tests/test_batchstep.py::TestOutOfMemory::test_a_window_re_runs_smaller_into_the_small_microbatch_run[middle-backward-items]",
+    "tests/test_batchstep.py::TestOutOfMemory::test_a_window_re_runs_smaller_into_the_small_microbatch_run[last-forward-items]",
+    "tests/test_batchstep.py::TestOutOfMemory::test_a_window_re_runs_smaller_into_the_small_microbatch_run[last-backward-items]",
     "tests/test_benchmark_gpu.py::test_a_failing_row_is_reported_and_the_next_runs",
     "tests/test_cli.py::test_help_from_the_command_line",
     "tests/test_docs.py::test_api_page_shows_step_fields_not_its_constructor",  # mkdocs build
@@ -31,6 +39,7 @@ SLOW: tuple[str, ...] = (
     "tests/test_docs.py::test_code_blocks_run[distributed.md]",
     "tests/test_docs.py::test_code_blocks_run[testing.md]",
     "tests/test_edges.py::test_a_compiled_training_step",
+    "tests/test_memory.py::test_a_real_allocation_failure_re_runs_the_window_at_half",
     "tests/test_epoch.py::test_boundaries_are_announced_before_each_forward",
     "tests/test_examples_accelerate.py::test_the_prepared_loop_is_exact_and_steps_its_schedule_once_per_window[2]",
     "tests/test_examples_muon.py::test_it_is_bit_for_bit_the_hand_written_loop[1]",
@@ -71,6 +80,7 @@ SLOW: tuple[str, ...] = (
 QUICK: tuple[str, ...] = (
     "tests/test_state_machine.py::TestChunk0::",
     "tests/test_accumulator_distributed.py::test_zero_grad_in_a_window_is_each_ranks_own_refusal_under_ddp",
+    "tests/test_batchstep_distributed.py::test_auto_is_refused_where_a_forward_communicates",
     "tests/test_cross_distributed.py::test_the_reference_cuts_windows_as_documented",
     "tests/test_distributed.py::test_no_sync_keeps_the_gradient_local",
     "tests/test_edges_distributed.py::test_two_forwards_in_one_microstep_under_ddp",

@@ -1,0 +1,82 @@
+"""`gradaccum.memory`: what counts as running out of memory, the gradients kept before a
+window, and a real allocation failure (RLIMIT_AS) recovered by microbatch="auto"."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradaccum.memory import Kept, out_of_memory
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_what_counts_as_out_of_memory() -> None:
+    """torch.OutOfMemoryError and the CPU allocator's RuntimeError count; another
+    RuntimeError, a MemoryError of Python's own or a KeyError does not."""
+    assert out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
+    cpu = "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory"
+    assert out_of_memory(RuntimeError(cpu))
+    assert not out_of_memory(RuntimeError("size mismatch"))
+    assert not out_of_memory(KeyError("can't allocate memory"))
+
+
+def test_kept_gradients_come_back_as_they_were_each_time() -> None:
+    """None stays None; an existing gradient is put back with its values, also after a
+    re-run added to it in place, and as often as asked."""
+    a, b = torch.zeros(3, requires_grad=True), torch.zeros(2, requires_grad=True)
+    b.grad = torch.ones(2)
+    kept = Kept([a, b])
+    for _ in range(2):
+        a.grad = torch.full((3,), 5.0)
+        b.grad.add_(7.0)
+        kept.restore()
+        assert a.grad is None
+        assert torch.equal(b.grad, torch.ones(2))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc: Linux")
+def test_a_real_allocation_failure_re_runs_the_window_at_half() -> None:
+    """Under an address-space limit that 2048 rows' activations do not fit in and 1024
+    rows' do, the first window tries 2048 rows, the CPU allocator fails, and it is re-run
+    smaller (1024, as a rule: the heap's own overhead may take it lower): bit for bit the
+    run with the microbatch found from the start, within 1e-12 of the float64 big batch."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.out_of_memory", "3"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["tried"][:2] == [2048, 1024]
+    assert found["microbatch"] == found["step_microbatch"] <= 1024
+    assert found["equal_to_fixed"]
+    assert found["off_reference"] < 1e-12
+
+
+def test_the_gpu_script_imports_and_says_without_cuda_that_it_checks_nothing(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """benchmarks/gpu_oom.py (run by benchmarks/run_gpu_checks.sh on a GPU) imports on the
+    CPU, parses its arguments and exits 0 saying it checked nothing."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_oom", ROOT / "benchmarks" / "gpu_oom.py")
+    assert spec is not None
+    assert spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: benchmarks/run_gpu_checks.sh runs the script")
+    assert script.main(["--rows", "64", "--width", "32"]) == 0
+    assert "no CUDA device" in capsys.readouterr().out
