@@ -1,7 +1,7 @@
-"""The quick tier, ``python -m pytest -q -m "not slow" --hypothesis-profile=quick``: the
-tests `SLOW` names (node-id prefixes: a whole module, a test, or some of its cases; the
-ones that launch ranks or a subprocess, and the heaviest of the rest) are marked ``slow``
-and left out, but those `QUICK` names, so that each test module still runs at least once:
+"""The quick tier, ``python -m pytest -q -n 2 -m "not slow" --hypothesis-profile=quick``:
+the tests `SLOW` names (node-id prefixes: a whole module, a test, or some of its cases;
+the ones that launch ranks or a subprocess, and the heaviest of the rest) are marked
+``slow`` and left out, but those `QUICK` names, so that each test module still runs at least once:
 its other tests, or one launch of real ranks or one subprocess where that is all it has.
 tests/conftest.py marks them; tests/test_suite_settings.py checks that every module keeps
 a quick test and that every name here exists."""
@@ -42,6 +42,7 @@ SLOW: tuple[str, ...] = (
     "tests/test_memory.py::test_a_real_allocation_failure_re_runs_the_window_at_half",
     "tests/test_epoch.py::test_boundaries_are_announced_before_each_forward",
     "tests/test_examples_accelerate.py::test_the_prepared_loop_is_exact_and_steps_its_schedule_once_per_window[2]",
+    "tests/test_examples_accelerate.py::test_the_checkpoint_recipe_resumes_a_prepared_loader_bit_for_bit[2]",
     "tests/test_examples_muon.py::test_it_is_bit_for_bit_the_hand_written_loop[1]",
     "tests/test_foreign.py::test_a_scheduler_built_before_fabric_s_setup_steps_the_optimizer_it_wraps",
     "tests/test_examples_muon.py::test_it_is_bit_for_bit_the_hand_written_loop[4]",
