@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import gradaccum
 from gradaccum.memory import Kept, out_of_memory
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,3 +81,23 @@ def test_the_gpu_script_imports_and_says_without_cuda_that_it_checks_nothing(
         pytest.skip("a CUDA device is here: benchmarks/run_gpu_checks.sh runs the script")
     assert script.main(["--rows", "64", "--width", "32"]) == 0
     assert "no CUDA device" in capsys.readouterr().out
+
+
+def test_auto_is_refused_on_several_ranks_where_torch_has_no_reducer_reset(
+    process_group: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A discarded window under DDP resets its reducer through torch's private
+    ``Reducer._reset_state``; a torch without it gets ``microbatch="auto"`` refused up
+    front on several ranks (naming the reset and the fix), not a window run wrong. With
+    it, the same DDP model is accepted."""
+    from torch._C._distributed_c10d import Reducer
+    from torch.nn.parallel import DistributedDataParallel
+
+    from gradaccum import checks, sync
+
+    model = DistributedDataParallel(torch.nn.Linear(4, 1), broadcast_buffers=False)
+    strategy = sync.strategy_for(model)
+    checks.refuse_auto(strategy, 2, "auto")  # this torch has it: accepted
+    monkeypatch.delattr(Reducer, "_reset_state")
+    with pytest.raises(gradaccum.ConfigError, match=r"no reducer reset \(Reducer._reset_state\)"):
+        checks.refuse_auto(strategy, 2, "auto")
