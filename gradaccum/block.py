@@ -38,8 +38,11 @@ from gradaccum.window import Counts, Lifecycle, State, Window
 __all__ = ["Microstep", "check_items", "owners_of"]
 
 # The block of the open accumulator that steps each optimizer, and that sets the sync
-# state of each wrapper (`SyncStrategy.wrappers`): one at a time (`owners_of`).
-_owners: weakref.WeakKeyDictionary[Any, Microstep] = weakref.WeakKeyDictionary()
+# state of each wrapper (`SyncStrategy.wrappers`): one at a time (`owners_of`). Held
+# weakly both ways: a block holds its optimizers and model, which may hold the user's
+# objects that hold the accumulator (a trainer's hook on the optimizer, the accumulator
+# kept as an attribute of the model), so a strong value here would keep them all alive.
+_owners: weakref.WeakKeyDictionary[Any, weakref.ref[Microstep]] = weakref.WeakKeyDictionary()
 _OPEN = State.OPEN  # (read at every block's exit: a global, not the enum's attribute)
 
 
@@ -48,10 +51,23 @@ def owners_of(things: Iterable[Any]) -> list[Microstep]:
     each once."""
     found: list[Microstep] = []
     for thing in things:
-        owner = _owners.get(thing)
+        owner = _owner(thing)
         if owner is not None and not any(owner is seen for seen in found):
             found.append(owner)
     return found
+
+
+def _owner(thing: Any) -> Microstep | None:
+    held = _owners.get(thing)
+    return None if held is None else held()
+
+
+def _give_back(held: weakref.ref[Microstep]) -> None:
+    """Give back what a block set, if it is still alive: the finalizer holds it weakly,
+    since it holds the user's objects (a block dead with them has nothing to give back)."""
+    block = held()
+    if block is not None:
+        block.give_back()
 
 
 class Microstep:
@@ -123,21 +139,21 @@ class Microstep:
         self.loss: torch.Tensor | None = None
         self.num_items: int | torch.Tensor | None = None
         self.step = Step()
-        for optimizer in params.optimizers:
-            _owners[optimizer] = self
-        for wrapper in strategy.wrappers:
-            _owners[wrapper] = self
+        me = weakref.ref(self)
+        for thing in (*params.optimizers, *strategy.wrappers):
+            _owners[thing] = me
         self.arming.watch(ranks.count, self.forward_failed)
         self.arm()
         # Given back once: by close(), by a newer accumulator taking over, or when the loop
         # drops the accumulator unclosed (this block does not keep it alive), so that a dead
         # accumulator's hooks refuse no later step and DDP is not left deferring.
-        self.release = weakref.finalize(owner, self._give_back)
+        self.release = weakref.finalize(owner, _give_back, me)
         self.release.atexit = False
 
-    def _give_back(self) -> None:
+    def give_back(self) -> None:
+        """Remove what this block set on the user's objects, and its ownership of them."""
         for thing in (*self.stepper.optimizers, *self.arming.strategy.wrappers):
-            if _owners.get(thing) is self:
+            if _owner(thing) is self:
                 del _owners[thing]
         self.stepper.release()
         self.arming.release()
@@ -150,7 +166,7 @@ class Microstep:
         """Take ``strategy`` in place of the one held: the old one's state is restored."""
         self.arming.strategy.restore()
         for wrapper in strategy.wrappers:
-            _owners[wrapper] = self
+            _owners[wrapper] = weakref.ref(self)
         self.arming.use(strategy)
 
     def arm(self) -> None:

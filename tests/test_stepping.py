@@ -7,6 +7,7 @@ import copy
 import gc
 import math
 import warnings
+import weakref
 from typing import Any
 
 import pytest
@@ -258,6 +259,61 @@ def test_an_accumulator_dropped_unclosed_leaves_no_hook(mid_window: bool) -> Non
     assert acc.global_step == 3
     expected = reference_sgd(start, [batches[i : i + 2] for i in range(0, 6, 2)], lr=0.1)
     assert max_param_diff(model, expected) < 1e-12
+
+
+class _Trainer:
+    """A trainer object as real ones are written: it holds the model, the optimizer and
+    the accumulator, and counts the steps with a hook of its own on the optimizer."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        self.optimizer.register_step_post_hook(self.on_step)
+        self.acc = gradaccum.Accumulator(model, self.optimizer, steps=2)
+        self.stepped = 0
+
+    def on_step(self, *_: object) -> None:
+        self.stepped += 1
+
+
+@pytest.mark.parametrize(
+    ("holder", "ddp"),
+    [("trainer", False), ("model", False), ("trainer", True), ("model", True)],
+    ids=["a-trainer-s-hook", "kept-on-the-model", "a-trainer-s-hook-ddp", "kept-on-the-model-ddp"],
+)
+def test_user_objects_that_hold_the_accumulator_are_freed_with_it(
+    holder: str, ddp: bool, request: pytest.FixtureRequest
+) -> None:
+    """A trial of a sweep that trains and returns without close(), where the user's own
+    objects hold the accumulator: a trainer whose hook on the optimizer is a bound method,
+    or the accumulator kept as an attribute of the model (under DDP on a one-rank group
+    too). Once the trial's objects are garbage, the garbage collector frees the model and
+    the optimizer (a GPU sweep's memory). The registry of owned optimizers once held its
+    accumulators strongly, so they lived, with everything they reach, to the end of the
+    process."""
+    if ddp:
+        request.getfixturevalue("process_group")
+
+    def trial() -> tuple[weakref.ref[Any], weakref.ref[Any]]:
+        model: torch.nn.Module = make_model()
+        if ddp:
+            model = torch.nn.parallel.DistributedDataParallel(model)
+        if holder == "trainer":
+            trainer = _Trainer(model)
+            optimizer, acc = trainer.optimizer, trainer.acc
+        else:
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            acc = gradaccum.Accumulator(model, optimizer, steps=2)
+            model.acc = acc
+        for batch in acc.epoch(make_batches([2] * 3)):  # a window and a half, left open
+            with acc.microstep(mean_loss(model, batch)):
+                pass
+        return weakref.ref(model), weakref.ref(optimizer)
+
+    model, optimizer = trial()
+    gc.collect()
+    assert model() is None
+    assert optimizer() is None
 
 
 def test_a_window_open_on_one_optimizer_refuses_a_new_owner() -> None:
