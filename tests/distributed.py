@@ -648,14 +648,14 @@ def global_losses(
     }
 
 
-def distributed_example(rank: int, world: int, *argv: str) -> str:
-    """examples/distributed.py's ``main()`` with ``argv`` on this rank, in the launcher's
-    group (its own ``init_process_group`` and ``destroy_process_group`` left out: the
-    group is made already); what it printed. One torchrun launch runs the script whole
-    (tests/test_distributed.py): this runs its other wrappings without a process start
-    per rank."""
-    path = Path(__file__).resolve().parents[1] / "examples" / "distributed.py"
-    spec = importlib.util.spec_from_file_location("distributed_example", path)
+def example_main(rank: int, world: int, script: str, *argv: str) -> str:
+    """``examples/<script>``'s ``main()`` with ``argv`` on this rank, in the launcher's group
+    (its own ``init_process_group`` and ``destroy_process_group`` left out: the group is
+    made already, from the variables torchrun sets); what it printed. One torchrun launch
+    runs examples/distributed.py whole (tests/test_distributed.py): this runs the examples'
+    other launches without a process start per rank."""
+    path = Path(__file__).resolve().parents[1] / "examples" / script
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     assert spec is not None
     assert spec.loader is not None
     example = importlib.util.module_from_spec(spec)

@@ -1,10 +1,11 @@
-"""Run in a subprocess by tests/test_memory.py: one window of acc.step with
+"""Run in a process of its own by tests/test_memory.py (`on_a_rank`: a rank of the suite's
+launcher, forked from a process that imported torch once): one window of acc.step with
 microbatch="auto" under an address-space limit (RLIMIT_AS) that the whole batch's
 activations do not fit in and half of them do, so that the CPU allocator really fails
 ("can't allocate memory"); then, without the limit, the run with the microbatch found
 from the start and a float64 big batch. Prints what it found as JSON.
 
-Usage: python -m tests.out_of_memory BUDGET, the limit above the process's size after
+Also ``python -m tests.out_of_memory BUDGET``. BUDGET: the limit above the process's size after
 setup, in activations of the whole batch's hidden layer (3: the whole batch's forward and
 backward need about 4, half of it 2).
 """
@@ -76,6 +77,11 @@ def main(budget: float) -> dict[str, Any]:
         "equal_to_fixed": all(torch.equal(got, want) for got, want, _ in pairs),
         "off_reference": max((got - want).abs().max().item() for got, _, want in pairs),
     }
+
+
+def on_a_rank(rank: int, world: int, budget: float) -> dict[str, Any]:
+    """`main` on a rank of `gradaccum.testing.run_ranks` (a process of its own)."""
+    return main(budget)
 
 
 if __name__ == "__main__":

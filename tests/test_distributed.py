@@ -470,7 +470,7 @@ def test_the_distributed_example_logs_the_big_batch_loss(wrapping: str, nproc: i
         assert result.returncode == 0, result.stderr[-3000:]
         printed = result.stdout
     else:  # its main() on the launcher's ranks, which torch was imported into once
-        printed = run(distributed.distributed_example, nproc, "--wrap", wrapping)[0]
+        printed = run(distributed.example_main, nproc, "distributed.py", "--wrap", wrapping)[0]
     *lines, last = printed.splitlines()
     windows = 512 // nproc // 8 // 4
     assert last == f"{2 * windows} optimizer steps on {nproc} ranks ({wrapping})"

@@ -3,9 +3,6 @@ window, and a real allocation failure (RLIMIT_AS) recovered by microbatch="auto"
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +11,8 @@ import torch
 
 import gradaccum
 from gradaccum.memory import Kept, out_of_memory
+from tests import out_of_memory as out_of_memory_script
+from tests.distributed import run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,17 +47,7 @@ def test_a_real_allocation_failure_re_runs_the_window_at_half() -> None:
     rows' do, the first window tries 2048 rows, the CPU allocator fails, and it is re-run
     smaller (1024, as a rule: the heap's own overhead may take it lower): bit for bit the
     run with the microbatch found from the start, within 1e-12 of the float64 big batch."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.out_of_memory", "3"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    found = run(out_of_memory_script.on_a_rank, 1, 3)[0]  # a process of its own
     assert found["tried"][:2] == [2048, 1024]
     assert found["microbatch"] == found["step_microbatch"] <= 1024
     assert found["equal_to_fixed"]

@@ -49,7 +49,7 @@ SLOW: tuple[str, ...] = (
     "tests/test_examples_tiny_lm.py::test_tiny_lm_matches_the_big_batch_with_num_items",
     "tests/test_examples_own_trainer.py::test_its_loop_all_reduces_once_per_window_under_ddp",
     "tests/test_examples_own_trainer.py::test_the_script_logs_every_quarter_epoch",
-    "tests/test_examples_own_trainer.py::test_the_script_runs_under_torchrun",
+    "tests/test_examples_own_trainer.py::test_the_script_runs_on_two_ranks",
     "tests/test_fsdp_tp.py::test_fsdp_on_the_dp_dim_of_a_tp_mesh_is_detected_as_such",
     "tests/test_fsdp_tp.py::test_plain_hsdp_and_fully_shard_are_still_classified_as_before",
     "tests/test_fsdp_tp.py::test_every_policy_matches_the_big_batch_reference",
