@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,8 +26,14 @@ RESULT = re.compile(
 
 @functools.cache
 def launched(nproc: int) -> subprocess.CompletedProcess[str]:
-    """One launch of the example per number of processes, shared by the tests below."""
-    return torchrun(ROOT / "examples" / "accelerate_loop.py", nproc)
+    """One launch of the example per number of processes, shared by the tests below: on
+    one, ``python examples/accelerate_loop.py``; on several, as its docstring says."""
+    script = ROOT / "examples" / "accelerate_loop.py"
+    if nproc > 1:
+        return torchrun(script, nproc)
+    return subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=180, check=False
+    )
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
