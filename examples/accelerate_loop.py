@@ -1,8 +1,12 @@
 """An Accelerate training loop moved to gradaccum, ``accelerator.prepare`` kept, as the
 Migration page's Accelerate section says line by line.
 
-    accelerate launch --num_processes 2 examples/accelerate_loop.py  # or, the same:
-    torchrun --nproc_per_node 2 examples/accelerate_loop.py
+    python examples/accelerate_loop.py                          # one process
+    torchrun --nproc_per_node 2 examples/accelerate_loop.py     # two
+    accelerate launch --num_processes 2 examples/accelerate_loop.py  # two, with a GPU each
+
+Without GPUs, ``accelerate launch --num_processes 2`` runs one process (accelerate 1.16):
+add ``--multi_gpu`` (this script passes ``Accelerator(cpu=True)``), or use torchrun.
 
 The prepared model (DDP on several processes), optimizer, scheduler and loader go to the
 Accumulator as they are: it unwraps the prepared optimizer and scheduler and steps the

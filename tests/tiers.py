@@ -1,4 +1,4 @@
-"""The quick tier, ``python -m pytest -q -n 2 -m "not slow" --hypothesis-profile=quick``:
+"""The quick tier, ``python -m pytest -q -m "not slow" --hypothesis-profile=quick``:
 the tests `SLOW` names (node-id prefixes: a whole module, a test, or some of its cases;
 the ones that launch ranks or a subprocess, and the heaviest of the rest) are marked
 ``slow`` and left out, but those `QUICK` names, so that each test module still runs at least once:
