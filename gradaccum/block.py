@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from gradaccum import boundary, checks, faults
 from gradaccum.arming import Arming
@@ -62,12 +63,17 @@ def _owner(thing: Any) -> Microstep | None:
     return None if held is None else held()
 
 
-def _give_back(held: weakref.ref[Microstep]) -> None:
-    """Give back what a block set, if it is still alive: the finalizer holds it weakly,
-    since it holds the user's objects (a block dead with them has nothing to give back)."""
+def _give_back(held: weakref.ref[Microstep], hooks: tuple[RemovableHandle, ...]) -> None:
+    """Give back what a block set. The finalizer holds the block weakly, since it holds
+    the user's objects; a block that died in a garbage cycle with the accumulator takes
+    back only its optimizers' hooks (an optimizer kept alive would otherwise still refuse
+    or warn about the steps of the next accumulator over it)."""
     block = held()
     if block is not None:
         block.give_back()
+        return
+    for hook in hooks:
+        hook.remove()
 
 
 class Microstep:
@@ -147,7 +153,7 @@ class Microstep:
         # Given back once: by close(), by a newer accumulator taking over, or when the loop
         # drops the accumulator unclosed (this block does not keep it alive), so that a dead
         # accumulator's hooks refuse no later step and DDP is not left deferring.
-        self.release = weakref.finalize(owner, _give_back, me)
+        self.release = weakref.finalize(owner, _give_back, me, tuple(self.stepper.hooks))
         self.release.atexit = False
 
     def give_back(self) -> None:

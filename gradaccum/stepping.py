@@ -57,12 +57,14 @@ class Stepper:
             if scheduler is not None
         ]
         self._told_stepped = False  # a schedule stepped by hand is said once, not every window
-        self._hooks = [
+        # Its hooks on the optimizers (`release` removes them). The handles hold nothing
+        # alive: the owner's release may keep them where it must not keep this stepper.
+        self.hooks = [
             optimizer.register_step_pre_hook(self._foreign_step) for optimizer in optimizers
         ]
         # A resume loads the optimizers' states with the schedulers': the schedules are
         # then taken as they are, not as stepped by hand.
-        self._hooks += [
+        self.hooks += [
             optimizer.register_load_state_dict_post_hook(self._loaded) for optimizer in optimizers
         ]
 
@@ -170,7 +172,7 @@ class Stepper:
 
     def release(self) -> None:
         """Remove the hooks from the optimizers."""
-        for hook in self._hooks:
+        for hook in self.hooks:
             hook.remove()
 
     def _foreign_step(self, optimizer: torch.optim.Optimizer, *_: object) -> None:

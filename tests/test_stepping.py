@@ -316,6 +316,39 @@ def test_user_objects_that_hold_the_accumulator_are_freed_with_it(
     assert optimizer() is None
 
 
+def test_an_accumulator_freed_in_a_cycle_leaves_the_kept_optimizer_unhooked() -> None:
+    """The accumulator kept on a wrapper of the model, and the wrapper dropped mid-window
+    while the model and its optimizer are kept: the garbage collector frees the wrapper
+    and the accumulator together, and the optimizer's hooks go with them, so that a new
+    accumulator over the same optimizer trains as the hand loop, with no refusal ("inside
+    an accumulation window") and no warning."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = make_batches([2] * 6)
+
+    def a_wrapper_for_a_while() -> None:
+        wrapper = torch.nn.Sequential(model)
+        wrapper.acc = gradaccum.Accumulator(wrapper, optimizer, steps=2)
+        with wrapper.acc.microstep(mean_loss(wrapper, batches[0])):
+            pass  # a window left open
+
+    a_wrapper_for_a_while()
+    gc.collect()
+    assert not optimizer._optimizer_step_pre_hooks
+    for param in model.parameters():
+        param.grad = None  # (the dropped window's gradient, as a new run starts)
+    start = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        acc = gradaccum.Accumulator(model, optimizer, steps=2)
+        for batch in acc.epoch(batches):
+            with acc.microstep(mean_loss(model, batch)):
+                pass
+    assert acc.global_step == 3
+    expected = reference_sgd(start, [batches[i : i + 2] for i in range(0, 6, 2)], lr=0.1)
+    assert max_param_diff(model, expected) < 1e-12
+
+
 def test_a_window_open_on_one_optimizer_refuses_a_new_owner() -> None:
     """A second accumulator over an optimizer whose owner has an open window is refused,
     and leaves the other optimizer unowned."""
