@@ -3,7 +3,8 @@ launcher, forked from a process that imported torch once): one window of acc.ste
 microbatch="auto" under an address-space limit (RLIMIT_AS) that the whole batch's
 activations do not fit in and half of them do, so that the CPU allocator really fails
 ("can't allocate memory"); then, without the limit, the run with the microbatch found
-from the start and a float64 big batch. Prints what it found as JSON.
+from the start and a float64 big batch. Returns what it found (printed as JSON from the
+command line).
 
 Also ``python -m tests.out_of_memory BUDGET``. BUDGET: the limit above the process's size after
 setup, in activations of the whole batch's hidden layer (3: the whole batch's forward and

@@ -244,18 +244,27 @@ def test_an_accumulator_dropped_unclosed_leaves_no_hook(mid_window: bool) -> Non
     gc.disable()
     try:
         train_a_little()
-        assert not optimizer._optimizer_step_pre_hooks
-        assert not optimizer._optimizer_load_state_dict_post_hooks
-        start = copy.deepcopy(model)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            acc = gradaccum.Accumulator(model, optimizer, steps=2)
-            for batch in acc.epoch(batches):
-                with acc.microstep(mean_loss(model, batch)):
-                    pass
+        assert_unhooked_and_a_new_accumulator_trains_as_the_hand_loop(model, optimizer, batches)
     finally:
         if was_collecting:
             gc.enable()
+
+
+def assert_unhooked_and_a_new_accumulator_trains_as_the_hand_loop(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: list[Any]
+) -> None:
+    """No hook of a dead accumulator is left on ``optimizer``, and a new accumulator over
+    it trains the 6 microbatches of ``batches`` in 3 windows as plain SGD does, without a
+    refusal or a warning."""
+    assert not optimizer._optimizer_step_pre_hooks
+    assert not optimizer._optimizer_load_state_dict_post_hooks
+    start = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        acc = gradaccum.Accumulator(model, optimizer, steps=2)
+        for batch in acc.epoch(batches):
+            with acc.microstep(mean_loss(model, batch)):
+                pass
     assert acc.global_step == 3
     expected = reference_sgd(start, [batches[i : i + 2] for i in range(0, 6, 2)], lr=0.1)
     assert max_param_diff(model, expected) < 1e-12
@@ -334,19 +343,9 @@ def test_an_accumulator_freed_in_a_cycle_leaves_the_kept_optimizer_unhooked() ->
 
     a_wrapper_for_a_while()
     gc.collect()
-    assert not optimizer._optimizer_step_pre_hooks
     for param in model.parameters():
         param.grad = None  # (the dropped window's gradient, as a new run starts)
-    start = copy.deepcopy(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        acc = gradaccum.Accumulator(model, optimizer, steps=2)
-        for batch in acc.epoch(batches):
-            with acc.microstep(mean_loss(model, batch)):
-                pass
-    assert acc.global_step == 3
-    expected = reference_sgd(start, [batches[i : i + 2] for i in range(0, 6, 2)], lr=0.1)
-    assert max_param_diff(model, expected) < 1e-12
+    assert_unhooked_and_a_new_accumulator_trains_as_the_hand_loop(model, optimizer, batches)
 
 
 def test_a_window_open_on_one_optimizer_refuses_a_new_owner() -> None:
