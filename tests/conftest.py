@@ -21,8 +21,21 @@ from tests.tiers import QUICK, SLOW
 from tests.timeouts import pytest_timeout_set_timer  # noqa: F401  (a hook: pytest finds it here)
 
 # What the rank launcher's server imports once rather than each rank of each launch:
-# torch._dynamo costs a rank about 0.7 s of CPU, paid again by every launch that compiles.
-ranks._PRELOAD.extend(["torch._dynamo", "tests.distributed"])
+# torch._dynamo costs a rank about 0.7 s of CPU, paid again by every launch that compiles,
+# and what the first compiled call imports (inductor's compile_fx for the default backend,
+# the optimizer's cudagraph check, dynamo's backends and repro hooks, DTensor's
+# experimental API) cost the ranks 10 s of CPU in all; the server imports them in 0.7 s.
+ranks._PRELOAD.extend(
+    [
+        "torch._dynamo",
+        "torch._dynamo.backends.common",
+        "torch._dynamo.repro.after_dynamo",
+        "torch._inductor.compile_fx",
+        "torch._inductor.cudagraph_trees",
+        "torch.distributed.tensor.experimental",
+        "tests.distributed",
+    ]
+)
 
 _UNHURRIED = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
 settings.register_profile("default", **_UNHURRIED)

@@ -1,7 +1,10 @@
 """examples/accelerate_loop.py: the Migration page's Accelerate section followed line by
 line, ``accelerator.prepare`` kept, on 1 and 2 processes against the float64 big batch;
 and in the same launch, the Checkpoint page's recipe on the prepared objects, stopped
-mid-epoch and resumed bit for bit over a plain and a stateful DataLoader."""
+mid-epoch and resumed bit for bit over a plain and a stateful DataLoader. One process is
+``python examples/accelerate_loop.py``, whole; two are its ``main()`` on the launcher's
+gloo ranks, which set the variables torchrun sets and Accelerate reads (the torchrun
+launch itself is examples/distributed.py's, tests/test_distributed.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import torchrun
+from tests import distributed
+from tests.distributed import run
 
 pytest.importorskip("accelerate", reason="Accelerate is a test-only dependency (the test extra)")
 
@@ -25,15 +29,18 @@ RESULT = re.compile(
 
 
 @functools.cache
-def launched(nproc: int) -> subprocess.CompletedProcess[str]:
-    """One launch of the example per number of processes, shared by the tests below: on
-    one, ``python examples/accelerate_loop.py``; on several, as its docstring says."""
-    script = ROOT / "examples" / "accelerate_loop.py"
+def launched(nproc: int) -> str:
+    """What rank 0 printed in one launch of the example per number of processes, shared
+    by the tests below: on one, ``python examples/accelerate_loop.py``; on several, its
+    ``main()`` on the launcher's ranks."""
     if nproc > 1:
-        return torchrun(script, nproc)
-    return subprocess.run(
+        return run(distributed.example_main, nproc, "accelerate_loop.py")[0]
+    script = ROOT / "examples" / "accelerate_loop.py"
+    result = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=180, check=False
     )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
@@ -41,10 +48,9 @@ def test_the_prepared_loop_is_exact_and_steps_its_schedule_once_per_window(nproc
     """On 1 and 2 processes: the prepared scheduler steps once per window (Accelerate's
     own would step twice a window on 2), and the parameters match one float64 big batch
     per window of every process's microbatches."""
-    result = launched(nproc)
-    assert result.returncode == 0, result.stderr
-    found = RESULT.search(result.stdout)
-    assert found is not None, result.stdout
+    printed = launched(nproc)
+    found = RESULT.search(printed)
+    assert found is not None, printed
     scheduled, windows, processes, gap = found.groups()
     assert int(processes) == nproc
     assert int(windows) == 2 * (160 // 4 // nproc // 4)  # two epochs of the shard's windows
@@ -60,6 +66,4 @@ def test_the_checkpoint_recipe_resumes_a_prepared_loader_bit_for_bit(nproc: int)
     StatefulDataLoader, a run stopped after a mid-epoch checkpoint and resumed by fresh
     objects from each process's file ends bit for bit where the uninterrupted run ends.
     It shares the launch of the test above (the results are cached per ``nproc``)."""
-    result = launched(nproc)
-    assert result.returncode == 0, result.stderr
-    assert "resumed bit for bit: plain DataLoader True, stateful True" in result.stdout
+    assert "resumed bit for bit: plain DataLoader True, stateful True" in launched(nproc)
