@@ -4,9 +4,8 @@ against them."""
 
 from __future__ import annotations
 
-import subprocess
+import importlib
 import sys
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -91,25 +90,20 @@ def test_item_counts_draw_per_microbatch_lengths() -> None:
     check()
 
 
-def test_without_hypothesis_the_import_names_the_testing_extra() -> None:
-    """In a process where hypothesis cannot be imported, ``gradaccum.testing`` imports and
-    its strategies module says which extra installs what it needs."""
-    code = """
-import sys
-sys.modules["hypothesis"] = None  # what an environment without hypothesis sees
-import gradaccum.testing
-try:
-    import gradaccum.testing.strategies
-except ImportError as error:
-    print(type(error).__name__, error.name, error, sep="|")
-"""
-    root = Path(__file__).resolve().parents[1]
-    ran = subprocess.run(
-        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True
-    )
-    assert ran.stdout.strip().split("|") == [
-        "ImportError",
-        "hypothesis",
+def test_without_hypothesis_the_import_names_the_testing_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where hypothesis cannot be imported, the strategies module says which extra
+    installs what it needs (imported afresh in this process, ``sys.modules`` put back
+    after; that ``gradaccum.testing`` itself does not import hypothesis, a fresh process
+    shows in tests/test_public_api.py)."""
+    monkeypatch.setitem(sys.modules, "hypothesis", None)  # what such an environment sees
+    monkeypatch.delitem(sys.modules, "gradaccum.testing.strategies")
+    with pytest.raises(ImportError) as raised:
+        importlib.import_module("gradaccum.testing.strategies")
+    assert raised.value.name == "hypothesis"
+    assert str(raised.value) == (
         "gradaccum.testing.strategies needs hypothesis, which the testing extra installs: "
-        "pip install gradaccum[testing]",
-    ]
+        "pip install gradaccum[testing]"
+    )
+    assert sys.modules["gradaccum.testing"].strategies is strategies

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import json
 import re
-import subprocess
+import runpy
 import sys
 from contextlib import redirect_stdout
 from typing import Any
@@ -19,22 +19,11 @@ from tests.distributed import run
 from tests.helpers import shown_output
 
 
-def verify_command(*options: str) -> subprocess.CompletedProcess[str]:
-    """``python -m gradaccum verify --steps 4 *options``, as a user runs it."""
-    return subprocess.run(
-        [sys.executable, "-m", "gradaccum", "verify", "--steps", "4", *options],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
-
-
 @pytest.fixture(scope="module")
 def printed_rows() -> list[dict[str, Any]]:
     """The rows of one ``verify --steps 4 --json`` run, its ``main()`` in this process
-    (its ranks forked from the suite's launcher, which imported torch once; the command
-    line is run whole by CI's setup command and by the usage-error test). The training
+    (its ranks forked from the suite's launcher, which imported torch once; CI's setup
+    command runs ``python -m gradaccum verify`` whole). The training
     costs most of this module's time: the table's test renders these rows rather than
     training them again."""
     printed = io.StringIO()
@@ -254,11 +243,19 @@ def test_usage_errors(
     assert f"error: {message}" in " ".join(captured.err.split())
 
 
-def test_a_usage_error_from_the_command_line_has_no_traceback() -> None:
-    """The real entry point: --steps past the epoch exits 2 with the usage and a message."""
-    result = verify_command("--steps", "20")
-    assert result.returncode == 2
-    assert result.stdout == ""
-    assert result.stderr.startswith("usage: python -m gradaccum verify")
-    assert "argument --steps: 20 is more than the 13 microbatches" in result.stderr
-    assert "Traceback" not in result.stderr
+def test_a_usage_error_from_the_command_line_has_no_traceback(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``python -m gradaccum verify --steps 20``, the package run as ``__main__`` (here in
+    this process; the interpreter's own start is tested by --help's test and by CI's
+    setup): --steps past the epoch exits 2 with the usage and a message, and nothing
+    else escapes."""
+    monkeypatch.setattr(sys, "argv", ["gradaccum", "verify", "--steps", "20"])
+    monkeypatch.delitem(sys.modules, "gradaccum.__main__", raising=False)  # run, not reused
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_module("gradaccum", run_name="__main__", alter_sys=True)
+    assert exited.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("usage: python -m gradaccum verify")
+    assert "argument --steps: 20 is more than the 13 microbatches" in err
